@@ -1,0 +1,285 @@
+"""The EAGLE-3 drafter: fc over three target states, one decoder layer that reads
+[embedding, hidden] (2H), a final norm and an lm_head over a reduced draft vocabulary.
+
+Normalisation switches (names as in vLLM/speculators), all read at run time:
+  norm_before_residual  residual = hidden_norm(fc output) instead of the raw fc output
+  norm_before_fc        one RMSNorm over the concatenated 3 target states before fc (gpt-oss style)
+  fc_norm               one RMSNorm per target state before concatenation
+  norm_output           recycle the post-norm state as the next step's hidden (EAGLE 3.1)
+
+The building blocks (RMSNorm, MLP, rotary embedding) are Hugging Face's Llama ones, so the math is
+the same that vLLM and SGLang run for `LlamaForCausalLMEagle3`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list[int]  # canonical (HF hidden_states index), see specdec.conventions
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    extra: dict = field(default_factory=dict)  # unknown config keys, kept for round trips
+
+    @classmethod
+    def for_target(cls, target_config, *, draft_vocab_size: int, aux_layer_ids: list[int], **overrides):
+        """A drafter sized like the target's decoder layers (the EAGLE-3 default)."""
+        heads = target_config.num_attention_heads
+        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
+        rope = getattr(target_config, "rope_parameters", None) or {}
+        kw = dict(
+            hidden_size=target_config.hidden_size,
+            intermediate_size=getattr(target_config, "intermediate_size", 4 * target_config.hidden_size),
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(target_config, "num_key_value_heads", heads) or heads,
+            head_dim=head_dim,
+            vocab_size=target_config.vocab_size,
+            draft_vocab_size=min(draft_vocab_size, target_config.vocab_size),
+            target_hidden_size=target_config.hidden_size,
+            aux_layer_ids=list(aux_layer_ids),
+            rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
+            max_position_embeddings=getattr(target_config, "max_position_embeddings", 4096),
+        )
+        if getattr(target_config, "model_type", "") == "deepseek_v3":
+            # MLA heads do not transfer; give the drafter a plain GQA layer of the same width.
+            kw.update(head_dim=64 if target_config.hidden_size % 64 == 0 else 16,
+                      num_key_value_heads=max(1, heads // 4) if heads % 4 == 0 else heads)
+            kw["num_attention_heads"] = target_config.hidden_size // kw["head_dim"]
+            if kw["num_attention_heads"] % kw["num_key_value_heads"]:
+                kw["num_key_value_heads"] = kw["num_attention_heads"]
+        kw.update(overrides)
+        return cls(**kw)
+
+    def llama_config(self) -> LlamaConfig:
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=rope,
+            max_position_embeddings=self.max_position_embeddings,
+            hidden_act=self.hidden_act,
+            num_hidden_layers=1,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class DraftKVCache:
+    """A preallocated KV cache for the single drafter layer; rollback is a pointer move."""
+
+    def __init__(self, batch: int, heads: int, head_dim: int, max_len: int, device, dtype):
+        self.k = torch.zeros(batch, heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = k.shape[2]
+        end = self.length + n
+        if end > self.k.shape[2]:
+            grow = max(end, 2 * self.k.shape[2])
+            self.k = torch.cat([self.k, self.k.new_zeros(*self.k.shape[:2], grow - self.k.shape[2], self.k.shape[3])], 2)
+            self.v = torch.cat([self.v, self.v.new_zeros(*self.v.shape[:2], grow - self.v.shape[2], self.v.shape[3])], 2)
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, nh, kvh, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, kvh * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, kvh * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+
+    def project(self, x, cos, sin):
+        b, t, _ = x.shape
+        hd = self.cfg.head_dim
+        q = self.q_proj(x).view(b, t, -1, hd).transpose(1, 2)  # shape: [B, nh, T, hd]
+        k = self.k_proj(x).view(b, t, -1, hd).transpose(1, 2)  # shape: [B, kvh, T, hd]
+        v = self.v_proj(x).view(b, t, -1, hd).transpose(1, 2)  # shape: [B, kvh, T, hd]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def forward(self, x, cos, sin, cache: DraftKVCache | None, mask: torch.Tensor | None):
+        """Inference attention; `mask` is bool [T, cached + T] (True = may attend), None = causal."""
+        b, t, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        past = cache.length if cache is not None else 0
+        if cache is not None:
+            k, v = cache.append(k, v)
+        if mask is None and past > 0:
+            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, enable_gqa=True
+        )  # shape: [B, nh, T, hd]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class Eagle3Layer(nn.Module):
+    """The "midlayer": reads [input_layernorm(embedding), hidden_norm(hidden)]."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        lc = cfg.llama_config()
+        self.cfg = cfg
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = LlamaMLP(lc)
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def attn_input(self, embeds, hidden):
+        """Returns (attention input [B, T, 2H], residual [B, T, H])."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.cfg.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
+
+    def finish(self, attn_out, residual):
+        h = residual + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        n_aux = len(cfg.aux_layer_ids)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # a frozen copy of the target's
+        self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.input_norm = (
+            LlamaRMSNorm(n_aux * cfg.target_hidden_size, eps=cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        )
+        self.fc_norm = (
+            nn.ModuleList(LlamaRMSNorm(cfg.target_hidden_size, eps=cfg.rms_norm_eps) for _ in range(n_aux))
+            if cfg.fc_norm
+            else None
+        )
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(cfg.llama_config())
+        # target_id = i + d2t[i]; identity until a vocab mapping is built or loaded.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+
+    # -- vocabulary ------------------------------------------------------------------------
+    def set_vocab_mapping(self, draft_to_target_ids: torch.Tensor) -> None:
+        """Install the mapping from an ascending list of the target ids the draft vocab keeps."""
+        ids = torch.as_tensor(draft_to_target_ids, dtype=torch.long).sort().values
+        assert ids.numel() == self.cfg.draft_vocab_size
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    # -- forward pieces ----------------------------------------------------------------------
+    def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """[B, T, 3 * target_H] target states -> [B, T, H] drafter hidden."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            aux = torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
+        return self.fc(aux)
+
+    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer output -> (recycled hidden for the next step, draft-vocab logits)."""
+        normed = self.norm(h)
+        return (normed if self.cfg.norm_output else h), self.lm_head(normed)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # shape: [B, T] token following each hidden state
+        hidden: torch.Tensor,  # shape: [B, T, 3*tH] target states, or [B, T, H] recycled
+        position_ids: torch.Tensor,  # shape: [B, T]
+        cache: DraftKVCache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if hidden.shape[-1] != self.cfg.hidden_size:  # target states, not a recycled hidden
+            hidden = self.project_aux(hidden)
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        x, residual = self.midlayer.attn_input(embeds, hidden)
+        cos, sin = self.rotary_emb(x, position_ids)
+        a = self.midlayer.self_attn(x, cos, sin, cache, mask)
+        return self.head(self.midlayer.finish(a, residual))
+
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> DraftKVCache:
+        p = self.lm_head.weight
+        return DraftKVCache(batch, self.cfg.num_key_value_heads, self.cfg.head_dim, max_len,
+                            device or p.device, dtype or p.dtype)
+
+
+def ttt_attention(q, k0, v0, extra_k: list, extra_v: list, pad_mask: torch.Tensor | None = None):
+    """Training-time-test attention without materialising a [T, kT] matrix.
+
+    Query t of step s sees the step-0 keys <= t (causal) plus, for each later step j <= s, the
+    key that step j computed at the same position t: exactly what inference sees when the
+    drafter extends its own draft. `pad_mask` is bool [B, T] (True = real token).
+    """
+    b, nh, t, hd = q.shape
+    rep = nh // k0.shape[1]
+    if rep > 1:
+        k0, v0 = k0.repeat_interleave(rep, 1), v0.repeat_interleave(rep, 1)
+        extra_k = [k.repeat_interleave(rep, 1) for k in extra_k]
+        extra_v = [v.repeat_interleave(rep, 1) for v in extra_v]
+    scale = 1.0 / math.sqrt(hd)
+    scores = (q @ k0.transpose(-1, -2)) * scale  # shape: [B, nh, T, T]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    allowed = causal if pad_mask is None else causal & pad_mask[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    diag = [((q * k).sum(-1) * scale).unsqueeze(-1) for k in extra_k]  # each: [B, nh, T, 1]
+    probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+    out = probs[..., :t] @ v0  # shape: [B, nh, T, hd]
+    for j, v in enumerate(extra_v):
+        out = out + probs[..., t + j : t + j + 1] * v
+    return out

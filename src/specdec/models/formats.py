@@ -1,0 +1,244 @@
+"""Drafter checkpoints in the two formats serving engines load, and the checks that refuse a
+drafter that does not fit its target.
+
+eagle3      config.json = a Llama config with num_hidden_layers=1,
+            architectures ["LlamaForCausalLMEagle3"], draft_vocab_size, target_hidden_size,
+            top-level eagle_aux_hidden_state_layer_ids (vLLM) and
+            eagle_config.eagle_aux_hidden_state_layer_ids (SGLang's convention); tensors
+            fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d[, embed_tokens.weight].
+speculators architectures ["Eagle3Speculator"], transformer_layer_config, the norm flags,
+            speculators_config; tensors under layers.0.* instead of midlayer.*.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..atomic import atomic_path, write_json
+from ..conventions import from_canonical, to_canonical
+from ..errors import IncompatibleDrafter, SpecdecError
+from .drafter import DrafterConfig, Eagle3Drafter
+
+FORMATS = ("eagle3", "speculators")
+WEIGHTS = "model.safetensors"
+_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+def _llama_part(cfg: DrafterConfig) -> dict:
+    lc = cfg.llama_config().to_dict()
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "hidden_act",
+            "num_hidden_layers", "rope_theta", "rope_scaling", "rope_parameters")
+    out = {k: lc[k] for k in keep if k in lc}
+    out.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False,
+               rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+               attention_bias=False, mlp_bias=False, torch_dtype="bfloat16")
+    return out
+
+
+def config_dict(cfg: DrafterConfig, fmt: str, target_name: str | None = None, k: int = 5) -> dict:
+    ids = list(cfg.aux_layer_ids)
+    flags = {f: getattr(cfg, f) for f in _FLAGS}
+    if fmt == "eagle3":
+        return {
+            **_llama_part(cfg),
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": from_canonical(ids, "vllm"),
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": from_canonical(ids, "sglang"),
+                "use_aux_hidden_state": True,
+                "use_input_layernorm_in_first_layer": True,
+                "use_last_layernorm": True,
+                "use_mtp_layernorm": False,
+            },
+            **flags,
+            "specdec": {"aux_layer_ids_canonical": ids, "target": target_name},
+        }
+    if fmt == "speculators":
+        return {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.9.0",
+            "transformer_layer_config": _llama_part(cfg),
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": from_canonical(ids, "speculators"),
+            **flags,
+            "embed_requires_grad": False,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
+                "verifier": {"name_or_path": target_name, "architectures": []},
+            },
+            "torch_dtype": "bfloat16",
+            "specdec": {"aux_layer_ids_canonical": ids, "target": target_name},
+        }
+    raise SpecdecError(f"unknown drafter format {fmt!r}; expected one of {', '.join(FORMATS)}")
+
+
+def save_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str = "eagle3", *,
+                 target_name: str | None = None, k: int = 5, dtype=torch.bfloat16,
+                 include_embeddings: bool = True) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = config_dict(drafter.cfg, fmt, target_name, k)
+    tensors = {}
+    for name, t in drafter.state_dict().items():
+        if name.startswith("rotary_emb."):
+            continue
+        if name == "embed_tokens.weight" and not include_embeddings:
+            continue
+        if fmt == "speculators":
+            name = name.replace("midlayer.", "layers.0.")
+        t = t.detach().cpu().contiguous()
+        tensors[name] = t.to(dtype) if t.is_floating_point() else t
+    with atomic_path(out_dir / WEIGHTS) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    write_json(out_dir / "config.json", cfg)  # last: a folder with config.json is complete
+    return out_dir
+
+
+def detect_format(cfg: dict) -> str:
+    arch = (cfg.get("architectures") or [""])[0]
+    if cfg.get("speculators_model_type") == "eagle3" or arch == "Eagle3Speculator":
+        return "speculators"
+    if "Eagle3" in arch or "eagle_config" in cfg or "draft_vocab_size" in cfg:
+        return "eagle3"
+    raise SpecdecError(
+        f"config.json has architectures {cfg.get('architectures')}: expected an EAGLE-3 drafter "
+        f"(LlamaForCausalLMEagle3 or Eagle3Speculator); import other forms with `specdec convert`"
+    )
+
+
+def parse_config(cfg: dict, num_target_layers: int | None = None) -> DrafterConfig:
+    fmt = detect_format(cfg)
+    layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
+    ours = cfg.get("specdec", {}).get("aux_layer_ids_canonical")
+    if ours is not None:
+        ids = list(ours)
+    elif fmt == "speculators" or cfg.get("eagle_aux_hidden_state_layer_ids") is not None:
+        ids = to_canonical(list(cfg.get("eagle_aux_hidden_state_layer_ids") or []), "vllm")
+    elif (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
+        ids = to_canonical(list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]), "sglang")
+    else:
+        ids = []
+    if not ids:
+        if num_target_layers is None:
+            raise SpecdecError("drafter config names no aux layer ids and no target was given to default them")
+        from ..conventions import default_aux_layer_ids
+
+        ids = default_aux_layer_ids(num_target_layers)
+    heads = layer["num_attention_heads"]
+    rope = layer.get("rope_parameters") or {}
+    return DrafterConfig(
+        hidden_size=layer["hidden_size"],
+        intermediate_size=layer["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=layer.get("num_key_value_heads") or heads,
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // heads,
+        vocab_size=layer["vocab_size"],
+        draft_vocab_size=cfg.get("draft_vocab_size") or layer["vocab_size"],
+        target_hidden_size=cfg.get("target_hidden_size") or layer["hidden_size"],
+        aux_layer_ids=ids,
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_theta=float(layer.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+        rope_scaling=layer.get("rope_scaling"),
+        max_position_embeddings=layer.get("max_position_embeddings", 4096),
+        hidden_act=layer.get("hidden_act", "silu"),
+        **{f: bool(cfg.get(f, False)) for f in _FLAGS},
+    )
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise SpecdecError(f"no .safetensors file in {folder}: expected {WEIGHTS} next to config.json")
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise SpecdecError(f"could not read {f}: {e}; the file looks truncated or corrupt, export it again") from e
+    return tensors
+
+
+def load_drafter(path: str | Path, target=None, *, device=None, dtype=torch.float32) -> Eagle3Drafter:
+    """Load a drafter in either format; with `target`, refuse one that does not fit it."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise SpecdecError(f"no drafter at {folder}: expected a folder with config.json and *.safetensors")
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise SpecdecError(f"{folder / 'config.json'} is not valid JSON ({e}); export the drafter again") from e
+    cfg = parse_config(raw, target.num_layers if target is not None else None)
+    tensors = {k.replace("layers.0.", "midlayer."): v for k, v in _read_tensors(folder).items()}
+    if "d2t" not in tensors:
+        raise IncompatibleDrafter(
+            f"{folder} has no d2t tensor: its lm_head rows cannot be mapped to target tokens "
+            f"(acceptance would collapse); re-export it with its vocab mapping"
+        )
+    if target is not None:
+        check_fits(cfg, tensors, target, folder)
+    drafter = Eagle3Drafter(cfg)
+    if "embed_tokens.weight" not in tensors:
+        if target is None:
+            raise SpecdecError(f"{folder} has no embed_tokens.weight; load it together with its target")
+        tensors["embed_tokens.weight"] = target.embed_tokens().weight.detach().float().cpu()
+    if "t2d" not in tensors:
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long()] = True
+        tensors["t2d"] = t2d
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(("verifier_", "rotary_emb."))}
+    missing, unexpected = drafter.load_state_dict(tensors, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise IncompatibleDrafter(
+            f"{folder} does not match the EAGLE-3 layout: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
+    drafter.d2t.copy_(tensors["d2t"].long())
+    device = device or (target.device if target is not None else "cpu")
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def check_fits(cfg: DrafterConfig, tensors: dict, target, folder) -> None:
+    """One-line refusals for a drafter that was trained for another target."""
+    if cfg.target_hidden_size != target.hidden_size:
+        raise IncompatibleDrafter(
+            f"drafter {folder} expects target hidden size {cfg.target_hidden_size}, "
+            f"but {target.name} has {target.hidden_size}: it was trained for another target"
+        )
+    if cfg.vocab_size != target.vocab_size:
+        raise IncompatibleDrafter(
+            f"drafter {folder} has vocab size {cfg.vocab_size}, but {target.name} has "
+            f"{target.vocab_size}: it was trained for another target (or tokenizer)"
+        )
+    bad = [i for i in cfg.aux_layer_ids if not 0 <= i <= target.num_layers]
+    if bad:
+        raise IncompatibleDrafter(
+            f"drafter {folder} reads layers {cfg.aux_layer_ids} but {target.name} has "
+            f"{target.num_layers} layers: it was trained for another target"
+        )
+    d2t = tensors["d2t"].long()
+    if d2t.numel() != cfg.draft_vocab_size:
+        raise IncompatibleDrafter(f"drafter {folder}: d2t has {d2t.numel()} entries, expected draft_vocab_size={cfg.draft_vocab_size}")
+    ids = torch.arange(d2t.numel()) + d2t
+    if ids.min() < 0 or ids.max() >= target.vocab_size:
+        raise IncompatibleDrafter(
+            f"drafter {folder}: d2t maps to target ids {int(ids.min())}..{int(ids.max())}, "
+            f"outside the target vocab 0..{target.vocab_size - 1}"
+        )
+    fc = tensors.get("fc.weight")
+    if fc is not None and fc.shape[1] != len(cfg.aux_layer_ids) * target.hidden_size:
+        raise IncompatibleDrafter(
+            f"drafter {folder}: fc reads {fc.shape[1]} features, expected "
+            f"{len(cfg.aux_layer_ids)} x {target.hidden_size} from {target.name}"
+        )

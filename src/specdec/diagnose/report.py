@@ -336,6 +336,12 @@ def build_report(
                     ("recommended k", b.get("recommended_k")),
                 ])
             )
+            if b is not data and b.get("verdict"):
+                parts.append(f"<p><strong>{html.escape(str(b.get('headline') or b['verdict']))}</strong></p>")
+                if b.get("next_steps"):
+                    parts.append(
+                        "<ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in b["next_steps"]) + "</ul>"
+                    )
         if plot_per_position(blocks, out / "per_position.png"):
             images.append("per_position.png")
             parts.append('<img src="per_position.png" alt="per-position acceptance">')

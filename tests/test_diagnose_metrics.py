@@ -166,3 +166,40 @@ def test_metrics_url_and_base_url():
     assert m.metrics_url("http://h:8000/") == "http://h:8000/metrics"
     assert m.metrics_url("http://h:8000/metrics") == "http://h:8000/metrics"
     assert m.base_url("http://h:30000/metrics") == "http://h:30000"
+
+
+def test_specdec_build_info_states_k():
+    s = load("specdec_server.txt")
+    assert s.k_hint == 4
+    overall, _ = summarize(s)
+    assert overall.k == 4 and overall.k_source == "specdec:build_info"
+
+
+def test_lazily_created_per_position_series_do_not_shrink_k():
+    # Positions 3-4 never accepted and never created; draft_tokens / drafts still says k = 5.
+    text = vllm_text(100, 500, 60, [40, 15, 5])
+    overall, _ = summarize(m.parse_metrics(text))
+    assert overall.k == 5 and overall.k_source == "draft_tokens / drafts"
+    assert overall.per_position == pytest.approx([0.4, 0.15, 0.05, 0.0, 0.0])
+    assert overall.mean_acceptance_length == pytest.approx(1.6)
+
+
+def test_specdec_server_metrics_read_back():
+    """specdec's own /metrics (server.metrics) and diagnose agree on names and meaning."""
+    server_metrics = pytest.importorskip("specdec.server.metrics")
+    from specdec.engine.api import StepOutput
+
+    sm = server_metrics.ServerMetrics("tiny-llama", positions=3, mode="chain", k=3, version="test")
+    steps = [[True, True, False], [True, False, False], [False, False, False], [True, True, True]]
+    for acc in steps:
+        n = next((i for i, ok in enumerate(acc) if not ok), len(acc))  # accepted prefix length
+        sm.observe_step(StepOutput(token_ids=list(range(n + 1)), drafted=3, accepted=n, accepted_positions=acc))
+    body, _ = sm.render()
+    s = m.parse_metrics(body.decode(), source="specdec serve")
+    assert s.engine == "specdec"
+    overall, _ = summarize(s)
+    assert overall.num_drafts == 4 and overall.k == 3
+    assert overall.num_accepted_tokens == 2 + 1 + 0 + 3
+    assert overall.mean_acceptance_length == pytest.approx(1 + 6 / 4)
+    assert overall.per_position == pytest.approx([3 / 4, 2 / 4, 1 / 4])
+    assert s.total_generation_tokens == 3 + 2 + 1 + 4

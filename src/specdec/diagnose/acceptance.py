@@ -120,8 +120,9 @@ def _dense(per_pos: dict[int, float]) -> list[float] | None:
     return [per_pos[i] for i in range(n)]
 
 
-def from_spec_series(series: SpecSeries, *, k: int | None = None) -> Acceptance:
-    """Acceptance from vLLM-named counters; `k` overrides (or supplies) the draft length."""
+def from_spec_series(series: SpecSeries, *, k: int | None = None, k_hint: int | None = None) -> Acceptance:
+    """Acceptance from vLLM-named counters; `k` overrides (or supplies) the draft length, `k_hint`
+    is the k the server states it serves (used before inferring k from the counters)."""
     per_pos = _dense(series.accepted_per_pos)
     drafts = series.num_drafts
     out = Acceptance(
@@ -146,18 +147,26 @@ def from_spec_series(series: SpecSeries, *, k: int | None = None) -> Acceptance:
         inferred, source = None, ""
         if per_pos is not None:
             inferred, source = len(per_pos), "per-position series"
-        elif drafts and series.num_draft_tokens:
-            inferred, source = round(series.num_draft_tokens / drafts), "draft_tokens / drafts"
+        if drafts and series.num_draft_tokens:
+            # Series created lazily stop at the deepest position ever accepted: trust the ratio
+            # when it says more (vLLM pre-creates all k, so there both agree).
+            ratio_k = round(series.num_draft_tokens / drafts)
+            if inferred is None or ratio_k > inferred:
+                inferred, source = ratio_k, "draft_tokens / drafts"
+        if k is None and k_hint is not None:
+            k, k_source_hint = k_hint, "specdec:build_info"
+        else:
+            k_source_hint = "--k"
         if k is not None:
             if inferred is not None and inferred != k:
-                out.notes.append(f"--k {k} overrides k = {inferred} from the {source}")
-            out.k, out.k_source = k, "--k"
+                out.notes.append(f"k = {k} from {k_source_hint} overrides k = {inferred} from the {source}")
+            out.k, out.k_source = k, k_source_hint
         else:
             out.k, out.k_source = inferred, source
         out.acceptance_rate = acceptance_rate(accepted, series.num_draft_tokens)
         out.mean_acceptance_length = mean_acceptance_length(accepted, drafts)
         if per_pos is not None and out.k is not None:
-            per_pos = per_pos[: out.k]
+            per_pos = (per_pos + [0.0] * out.k)[: out.k]  # positions never accepted: zero
         out.per_position = per_position_unconditional(per_pos or [], drafts)
         out.per_position_conditional = per_position_conditional(per_pos or [], drafts)
         if out.per_position is not None:
@@ -267,8 +276,9 @@ def aggregate_sglang(series: Sequence[SGLangSeries]) -> SGLangSeries:
 def summarize(scrape, *, k: int | None = None) -> tuple[Acceptance, list[Acceptance]]:
     """(aggregate, per label set) acceptance of a scrape or of a delta between two."""
     if scrape.spec:
-        parts = [from_spec_series(s, k=k) for s in scrape.spec.values()]
-        overall = from_spec_series(aggregate_spec(list(scrape.spec.values())), k=k)
+        hint = scrape.k_hint
+        parts = [from_spec_series(s, k=k, k_hint=hint) for s in scrape.spec.values()]
+        overall = from_spec_series(aggregate_spec(list(scrape.spec.values())), k=k, k_hint=hint)
         ks = {p.k for p in parts if p.k}
         if len(parts) > 1 and len(ks) > 1:
             overall.notes = [n for n in overall.notes if not n.startswith("no per-position")]

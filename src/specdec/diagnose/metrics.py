@@ -37,6 +37,7 @@ SGLANG_GEN_THROUGHPUT = "sglang:gen_throughput"
 # specdec's server exposes the vLLM names (so existing dashboards work) plus one gauge that
 # says who it is, e.g. `specdec:build_info{version="0.1.0"} 1`.
 SPECDEC_MARKER_PREFIXES = ("specdec:", "specdec_")
+SPECDEC_BUILD_INFO = "specdec:build_info"  # labels version, mode, k: the served k, when speculating
 
 _COUNTERS = {
     VLLM_DRAFTS: "num_drafts",
@@ -88,6 +89,7 @@ class Scrape:
     generation_tokens: dict[LabelSet, float] = field(default_factory=dict)
     gen_throughput_gauge: float | None = None  # SGLang's own windowed tok/s
     server_info_accept_length: float | None = None  # SGLang, cumulative since start
+    k_hint: int | None = None  # the served k, when the server states it (specdec:build_info)
     taken_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -239,6 +241,11 @@ def parse_metrics(text: str, *, source: str = "<text>") -> Scrape:
     for family in families:
         if family.name.startswith(SPECDEC_MARKER_PREFIXES):
             marker = True
+            if family.name == SPECDEC_BUILD_INFO:
+                for sample in family.samples:
+                    k = sample.labels.get("k", "")
+                    if k.isdigit() and int(k) > 0:
+                        scrape.k_hint = int(k)
         for sample in family.samples:
             name = sample.name
             if name.endswith("_created"):
@@ -358,6 +365,7 @@ def delta(before: Scrape, after: Scrape) -> Scrape:
         sglang=after.sglang,  # gauges: the latest snapshot is the window's value
         gen_throughput_gauge=after.gen_throughput_gauge,
         server_info_accept_length=after.server_info_accept_length,
+        k_hint=after.k_hint,
         taken_at=after.taken_at,
     )
     for key, a in after.spec.items():

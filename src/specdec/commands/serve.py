@@ -1,0 +1,186 @@
+"""`specdec serve`: an OpenAI-compatible server on specdec's own speculative engine, with vLLM's
+/metrics names so `specdec diagnose`, Prometheus and Grafana read it like a vLLM server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+DESCRIPTION = """\
+Serve a target model with speculative decoding behind an OpenAI-compatible API:
+/v1/chat/completions and /v1/completions (streaming and not), /v1/models, /health, and /metrics
+with vLLM's counter names (vllm:spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens,
+_num_accepted_tokens_per_pos, ...), so `specdec diagnose URL/metrics` judges it like vLLM.
+
+Drafting: --drafter DIR (an EAGLE-3 drafter in eagle3 or speculators format; chain of
+--num-speculative-tokens, or a tree with --tree-depth/--tree-top-k/--tree-tokens), --ngram N
+(prompt lookup, no drafter), or neither (plain decoding: the baseline to compare against).
+
+Scheduling: FIFO, one sequence at a time. Requests queue in arrival order and a single engine
+worker generates them one after another (the engine is batch-1), so under concurrent load a
+request waits for every request ahead of it (see vllm:num_requests_waiting). A client that
+disconnects cancels its request; the worker notices between engine steps, so cancellation takes
+effect within one step (one target forward pass). Stop strings end a request the same way.
+
+Binds 127.0.0.1 unless --host says otherwise; use --api-key (or SPECDEC_API_KEY) before
+exposing it: /v1/* then require `Authorization: Bearer KEY` (/health and /metrics stay open).
+
+examples:
+  specdec serve --target tiny-llama --ngram 3 --port 8000            # CPU, seconds
+  specdec serve --target smollm2-135m-instruct --ngram 3 --num-speculative-tokens 4
+  specdec serve --target qwen2.5-coder-1.5b-instruct --drafter runs/eagle3/export --port 8000
+  specdec serve --target ./my-target --drafter ./drafter --tree-depth 6 --tree-top-k 8 --tree-tokens 48
+  specdec serve --target smollm2-135m-instruct --host 0.0.0.0 --api-key "$SPECDEC_API_KEY"
+
+then:
+  curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "tiny-llama", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
+  specdec diagnose http://127.0.0.1:8000/metrics
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible server with speculative decoding and vLLM-named /metrics",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--target", required=True, metavar="MODEL",
+                   help="registry name (specdec models list), local HF folder, .gguf file or hub id")
+    draft = p.add_mutually_exclusive_group()
+    draft.add_argument("--drafter", metavar="DIR", help="EAGLE-3 drafter folder (eagle3 or speculators format)")
+    draft.add_argument("--ngram", type=int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
+    p.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
+                   help="draft tokens per step for a chain (default: 5)")
+    p.add_argument("--tree-depth", type=int, metavar="D", help="draft a tree this deep (EAGLE-3 drafter only)")
+    p.add_argument("--tree-top-k", type=int, metavar="K", help="children expanded per tree node (default: 8)")
+    p.add_argument("--tree-tokens", type=int, metavar="N", help="draft tokens per tree (default: 48)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any free port)")
+    p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"), metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $SPECDEC_API_KEY, else open)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="model name clients send and /metrics labels carry (default: the target's name)")
+    p.add_argument("--max-model-len", type=int, metavar="TOKENS",
+                   help="context limit for prompt + completion (default: the target's max_position_embeddings)")
+    p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.set_defaults(func=run)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    import socket
+
+    from specdec.errors import SpecdecError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise SpecdecError(
+                f"cannot bind {host}:{port} ({e.strerror}); another server is probably running there: "
+                f"stop it or pass --port with a free port"
+            ) from None
+
+
+def _url_host(host: str) -> str:
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def banner(*, host: str, port: int, model: str, mode: str, k: int, max_model_len: int, api_key: bool) -> str:
+    base = f"http://{_url_host(host)}:{port}"
+    auth = ' -H "Authorization: Bearer $SPECDEC_API_KEY"' if api_key else ""
+    body = ('{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
+            % model.replace('"', '\\"').replace("'", "'\\''"))
+    drafting = mode if mode == "plain" else f"{mode}, k={k}"
+    lines = [
+        f"specdec serve: ready on {base}  (FIFO, one sequence at a time)",
+        f"  model     {model}  ({drafting}, max model len {max_model_len})",
+        f"  api       {base}/v1" + ("  (API key required)" if api_key else ""),
+        f"  try       curl -s {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'",
+        f"  metrics   curl -s {base}/metrics | grep spec_decode",
+        f"  diagnose  specdec diagnose {base}/metrics",
+    ]
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        lines.append(f"  warning   bound to {host} without --api-key: anyone who can reach this port can use it")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    import sys
+
+    from specdec.errors import SpecdecError
+
+    tree_flags = (args.tree_depth, args.tree_top_k, args.tree_tokens)
+    if any(v is not None for v in tree_flags) and not args.drafter:
+        raise SpecdecError("--tree-depth/--tree-top-k/--tree-tokens need --drafter: n-gram lookup drafts chains only")
+    for flag, v in (("--num-speculative-tokens", args.num_speculative_tokens), ("--ngram", args.ngram),
+                    ("--tree-depth", args.tree_depth), ("--tree-top-k", args.tree_top_k),
+                    ("--tree-tokens", args.tree_tokens), ("--max-model-len", args.max_model_len)):
+        if v is not None and v < 1:
+            raise SpecdecError(f"{flag} must be at least 1, got {v}")
+    if not 0 <= args.port <= 65535:
+        raise SpecdecError(f"--port must be 0..65535, got {args.port}")
+    _check_port_free(args.host, args.port)  # fail before a model load that may take minutes
+
+    import uvicorn
+
+    from specdec.engine.api import SamplingParams
+    from specdec.engine.engine import SpeculativeEngine
+    from specdec.engine.tree import TreeConfig
+    from specdec.models.formats import load_drafter
+    from specdec.models.target import load_target
+    from specdec.server.app import ServeSettings, create_app
+
+    print(f"specdec serve: loading target {args.target}", file=sys.stderr, flush=True)
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    drafter = None
+    if args.drafter:
+        print(f"specdec serve: loading drafter {args.drafter}", file=sys.stderr, flush=True)
+        drafter = load_drafter(args.drafter, target, dtype=target.dtype)
+    tree = None
+    if any(v is not None for v in tree_flags):
+        defaults = TreeConfig()
+        tree = TreeConfig(depth=args.tree_depth or defaults.depth, top_k=args.tree_top_k or defaults.top_k,
+                          total_tokens=args.tree_tokens or defaults.total_tokens)
+    engine = SpeculativeEngine(target, drafter=drafter, ngram=args.ngram, k=args.num_speculative_tokens, tree=tree)
+    max_len = args.max_model_len or engine.max_len
+    if max_len > engine.max_len:
+        raise SpecdecError(
+            f"--max-model-len {max_len} exceeds the target's context of {engine.max_len} tokens "
+            f"(max_position_embeddings); pass at most {engine.max_len}"
+        )
+    if target.tokenizer is None:
+        raise SpecdecError(f"{args.target} has no tokenizer; expected tokenizer files next to the weights")
+    # One short generation so the first request does not pay for lazy initialisation.
+    first = target.tokenizer("Hello", add_special_tokens=False)["input_ids"][:1] or [0]
+    engine.generate(list(first), SamplingParams(max_new_tokens=2, temperature=0.0))
+
+    name = args.served_model_name or target.name
+    settings = ServeSettings(served_model_name=name, max_model_len=max_len, api_key=args.api_key or None)
+    app = create_app(engine, target.tokenizer, settings)
+    shown_k = tree.depth if tree is not None else args.num_speculative_tokens
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if not self.started:
+                return
+            port = args.port
+            try:  # --port 0: report the port the OS picked
+                port = self.servers[0].sockets[0].getsockname()[1]
+            except (AttributeError, IndexError):
+                pass
+            print(banner(host=args.host, port=port, model=name, mode=engine.mode, k=shown_k,
+                         max_model_len=max_len, api_key=bool(settings.api_key)), flush=True)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            access_log=args.access_log, timeout_graceful_shutdown=5)
+    _Server(config).run()
+    return 0

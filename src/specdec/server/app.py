@@ -1,0 +1,393 @@
+"""The FastAPI app behind `specdec serve`: OpenAI-compatible /v1/chat/completions,
+/v1/completions and /v1/models, plus /health and a vLLM-named /metrics.
+
+Every request is validated here, in the event loop, before it reaches the single engine worker
+(`scheduler.py` documents the FIFO scheduling and cancellation). Every refusal carries OpenAI's
+error body, {"error": {"message", "type", "param", "code"}}, and never disturbs the worker:
+
+    malformed JSON, wrong types, bad values, n != 1 ....... 400 invalid_request_error
+    prompt + max_tokens longer than the context ......... 400 code context_length_exceeded
+    missing or wrong API key (--api-key) on /v1/* ....... 401 code invalid_api_key
+    unknown model ....................................... 404 code model_not_found
+    request body over 32 MiB ............................ 413 code request_too_large
+    an engine failure ................................... 500 server_error (that request only)
+
+Chat prompts are rendered with `specdec.data.chat.render_text` (the tokenizer's own chat template,
+the same function training data goes through) and encoded without adding special tokens again;
+completion prompts are encoded with the tokenizer's special tokens, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..engine.api import SamplingParams
+from ..errors import SpecdecError
+from .metrics import ServerMetrics
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    Usage,
+    new_id,
+    now,
+)
+from .scheduler import Event, Job, Scheduler
+
+MAX_BODY_BYTES = 32 << 20
+DISCONNECT_POLL_S = 0.25
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
+
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+@dataclass(kw_only=True)
+class ServeSettings:
+    served_model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    default_temperature: float = 1.0  # OpenAI's default
+
+
+def create_app(engine, tokenizer, settings: ServeSettings) -> FastAPI:
+    """An app serving `engine` (a SpeculativeEngine, or anything with `generate_iter`)."""
+    tree = getattr(engine, "tree", None)
+    k = getattr(engine, "k", 0) if getattr(engine, "proposer", None) is not None else 0
+    positions = tree.depth if tree is not None and engine.mode.endswith("tree") else k
+    metrics = ServerMetrics(settings.served_model_name, positions=positions,
+                            mode=getattr(engine, "mode", "unknown"), k=positions, version=__version__)
+    scheduler = Scheduler(engine, tokenizer, metrics)
+    vocab_size = getattr(getattr(engine, "target", None), "vocab_size", None)
+    created = now()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="specdec serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.metrics = metrics
+    app.state.scheduler = scheduler
+    app.state.settings = settings
+
+    # -- errors ---------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response({"WWW-Authenticate": "Bearer"} if exc.status == 401 else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc: RequestValidationError):
+        return _from_validation(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = f"{request.method} {request.url.path}: {exc.detail}"
+        return APIError(exc.status_code, msg, code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
+    # -- open endpoints -------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    # -- /v1 ------------------------------------------------------------------------------
+    async def check_api_key(request: Request):
+        if settings.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "missing or incorrect API key: send the header `Authorization: Bearer <key>` "
+                                "with the key given to `specdec serve --api-key`", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.get("/models")
+    async def models():
+        card = ModelCard(id=settings.served_model_name, created=created, max_model_len=settings.max_model_len,
+                         root=getattr(getattr(engine, "target", None), "name", None))
+        return ModelList(data=[card]).model_dump()
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        req = await _parse(request, ChatCompletionRequest)
+        _check_common(req, settings)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        with scheduler.tokenizer_lock:
+            prompt_ids = _render_chat(tokenizer, messages)
+        params = _sampling(req, len(prompt_ids), settings, default_max=None)
+        job = scheduler.submit(prompt_ids, params, req.stop_strings())
+        rid = new_id("chatcmpl")
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream_chat(job, rid, settings.served_model_name, include_usage),
+                                     media_type="text/event-stream", headers=SSE_HEADERS,
+                                     background=BackgroundTask(job.cancel))
+        text, last = await _collect(job, request)
+        return {
+            "id": rid, "object": "chat.completion", "created": now(), "model": settings.served_model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": last.finish_reason, "logprobs": None}],
+            "usage": _usage(last).model_dump(),
+        }
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        req = await _parse(request, CompletionRequest)
+        _check_common(req, settings)
+        with scheduler.tokenizer_lock:
+            prompt_ids = _encode_prompt(tokenizer, req.prompt, vocab_size)
+        params = _sampling(req, len(prompt_ids), settings, default_max=16)
+        job = scheduler.submit(prompt_ids, params, req.stop_strings())
+        rid = new_id("cmpl")
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream_completion(job, rid, settings.served_model_name, include_usage),
+                                     media_type="text/event-stream", headers=SSE_HEADERS,
+                                     background=BackgroundTask(job.cancel))
+        text, last = await _collect(job, request)
+        return {
+            "id": rid, "object": "text_completion", "created": now(), "model": settings.served_model_name,
+            "choices": [{"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}],
+            "usage": _usage(last).model_dump(),
+        }
+
+    app.include_router(v1)
+    return app
+
+
+# -- request handling -----------------------------------------------------------------------
+
+
+async def _parse(request: Request, model):
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body of {int(length)} bytes exceeds the limit of {MAX_BODY_BYTES} bytes",
+                       code="request_too_large")
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:
+        raise APIError(413, f"request body of {len(body)} bytes exceeds the limit of {MAX_BODY_BYTES} bytes",
+                       code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e}); expected a JSON object",
+                       code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"expected a JSON object as the request body, got {type(data).__name__}",
+                       code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _from_validation(e.errors()) from None
+
+
+def _from_validation(errors) -> APIError:
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    got = first.get("input")
+    got_s = "" if first.get("type") == "missing" else f" (got {json.dumps(got, default=str)[:80]})"
+    more = f"; and {len(errors) - 1} more problem(s)" if len(errors) > 1 else ""
+    return APIError(400, f"{param or 'request'}: {first.get('msg', 'invalid')}{got_s}{more}", param=param,
+                    code="invalid_value")
+
+
+def _check_common(req, settings: ServeSettings) -> None:
+    if req.model is not None and req.model != settings.served_model_name:
+        raise APIError(404, f"the model `{req.model}` does not exist; this server serves "
+                            f"`{settings.served_model_name}` (GET /v1/models)", param="model", code="model_not_found")
+    bad = req.unsupported()
+    if bad:
+        raise APIError(400, bad[1], param=bad[0], code="unsupported")
+
+
+def _sampling(req, prompt_len: int, settings: ServeSettings, *, default_max: int | None) -> SamplingParams:
+    limit = settings.max_model_len
+    param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    requested = req.requested_max_tokens()
+    if requested is not None and requested < 1:
+        raise APIError(400, f"{param} must be at least 1, got {requested}", param=param, code="invalid_value")
+    if requested is not None and requested >= limit:
+        raise APIError(400, f"{param}={requested} does not fit the model's context of {limit} tokens "
+                            f"(prompt included)", param=param, code="context_length_exceeded")
+    if prompt_len >= limit:
+        raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
+                            f"{prompt_len} tokens; shorten the prompt", param="messages"
+                       if hasattr(req, "messages") else "prompt", code="context_length_exceeded")
+    if requested is None:
+        requested = min(default_max or limit, limit - prompt_len)
+    if prompt_len + requested > limit:
+        raise APIError(400, f"this model's maximum context length is {limit} tokens, but {prompt_len + requested} "
+                            f"were requested ({prompt_len} in the prompt, {requested} in the completion); "
+                            f"reduce the prompt or {param}", param=param, code="context_length_exceeded")
+    temperature = settings.default_temperature if req.temperature is None else req.temperature
+    return SamplingParams(max_new_tokens=requested, temperature=temperature,
+                          top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, ignore_eos=req.ignore_eos)
+
+
+def _render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    from ..data.chat import render_text
+
+    try:
+        text = render_text(tokenizer, messages, add_generation_prompt=True)
+    except SpecdecError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+    # The template already placed BOS and the role markers: do not add special tokens twice.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _encode_prompt(tokenizer, prompt, vocab_size: int | None) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = list(tokenizer(prompt)["input_ids"]) if prompt else []
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary 0..{(vocab_size or 1) - 1}",
+                           param="prompt", code="invalid_value")
+    if not ids:
+        raise APIError(400, "the prompt is empty: expected at least one token", param="prompt", code="invalid_value")
+    return ids
+
+
+def _usage(ev: Event) -> Usage:
+    return Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
+                 total_tokens=ev.prompt_tokens + ev.completion_tokens)
+
+
+async def _collect(job: Job, request: Request) -> tuple[str, Event]:
+    """Wait for a non-streaming request, cancelling it if its client goes away."""
+    parts: list[str] = []
+    getter = None  # one pending get() at a time, never cancelled mid-flight (no lost events)
+    try:
+        while True:
+            if getter is None:
+                getter = asyncio.ensure_future(job.events.get())
+            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+            if not done:
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise APIError(499, "client disconnected", code="client_disconnected")
+                continue
+            ev, getter = getter.result(), None
+            parts.append(ev.text)
+            if ev.finished:
+                if ev.error:
+                    raise APIError(500, f"generation failed: {ev.error}")
+                return "".join(parts), ev
+    except asyncio.CancelledError:
+        job.cancel()
+        raise
+    finally:
+        if getter is not None:
+            getter.cancel()
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _events(job: Job):
+    """The job's events until it finishes; cancels the job when the consumer goes away."""
+    try:
+        while True:
+            ev = await job.events.get()
+            yield ev
+            if ev.finished:
+                return
+    finally:
+        job.cancel()  # no-op once finished; otherwise the client is gone (disconnect or error)
+
+
+async def _stream_chat(job: Job, rid: str, model: str, include_usage: bool):
+    created = now()
+
+    def chunk(delta: dict, finish_reason=None) -> dict:
+        out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    yield _sse(chunk({"role": "assistant", "content": ""}))
+    async for ev in _events(job):
+        if ev.error:
+            yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error",
+                                  "param": None, "code": None}})
+            break
+        if ev.text:
+            yield _sse(chunk({"content": ev.text}))
+        if ev.finished:
+            yield _sse(chunk({}, ev.finish_reason))
+            if include_usage:
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": _usage(ev).model_dump()})
+    yield "data: [DONE]\n\n"
+
+
+async def _stream_completion(job: Job, rid: str, model: str, include_usage: bool):
+    created = now()
+
+    def chunk(text: str, finish_reason=None) -> dict:
+        out = {"id": rid, "object": "text_completion", "created": created, "model": model,
+               "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    async for ev in _events(job):
+        if ev.error:
+            yield _sse({"error": {"message": f"generation failed: {ev.error}", "type": "server_error",
+                                  "param": None, "code": None}})
+            break
+        if ev.finished:
+            yield _sse(chunk(ev.text, ev.finish_reason))
+            if include_usage:
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                            "choices": [], "usage": _usage(ev).model_dump()})
+        elif ev.text:
+            yield _sse(chunk(ev.text))
+    yield "data: [DONE]\n\n"

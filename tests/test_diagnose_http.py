@@ -169,6 +169,7 @@ def test_sglang_url_reads_server_info(capsys):
     with MetricsServer([page], server_info=info) as srv:
         r = diagnose_json(capsys, srv.url + "/metrics")
     assert r["engine"] == "sglang"
+    assert r["basis"].startswith("latest SGLang log interval")
     assert r["mean_acceptance_length"] == pytest.approx(3.2)
     assert r["totals_since_start"]["mean_acceptance_length"] == pytest.approx(2.9)
 

@@ -7,6 +7,7 @@ figure the user sees exists in exactly one place.
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import time
 from typing import Callable
 
@@ -81,7 +82,7 @@ def diagnose(
         window_s = max(second.taken_at - first.taken_at, 1e-9)
         current = m.delta(first, second)
         totals = second
-        basis = "window"
+        basis = "window" if current.engine != "sglang" else "latest SGLang log interval (gauges)"
         gen = current.total_generation_tokens
         if gen is not None:
             throughput = gen / window_s
@@ -141,4 +142,15 @@ def diagnose(
         )
     else:
         result["totals_since_start"] = _compact(total_overall)
-    return result
+    return _finite(result)
+
+
+def _finite(obj):
+    """NaN/inf become None so `--json` stays valid JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj

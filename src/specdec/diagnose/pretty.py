@@ -87,7 +87,7 @@ def facts_table(block: dict, result: dict) -> Table:
     facts.add_row("k", f"{block.get('k')}  ({block.get('k_source') or 'unknown'})")
     if block is result:
         basis = result["basis"]
-        if result.get("window_s"):
+        if result.get("window_s") and basis == "window":
             basis += f" of {result['window_s']:.1f} s"
         facts.add_row("measured over", basis)
         if result.get("throughput_tokens_per_s") is not None:

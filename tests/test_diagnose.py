@@ -114,6 +114,7 @@ def test_missing_per_position(capsys):
 def test_sglang_file(capsys):
     r = run_json(capsys, str(FIX / "sglang.txt"))
     assert r["engine"] == "sglang"
+    assert r["basis"].startswith("latest SGLang log interval")
     assert r["mean_acceptance_length"] == pytest.approx(3.2)
     assert r["expected_tokens_per_pass"] == pytest.approx(3.2)
     assert r["k"] == 5 and r["acceptance_rate"] == pytest.approx(0.44)

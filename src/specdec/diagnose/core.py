@@ -91,7 +91,11 @@ def diagnose(
     else:
         current = totals = m.require_spec(m.load_source(source))
         _check_live(current)
-        basis = "totals since start (saved scrape)"
+        basis = (
+            "latest SGLang log interval (gauges, saved scrape)"
+            if current.engine == "sglang"
+            else "totals since start (saved scrape)"
+        )
 
     overall, parts = summarize(current, k=k)
     total_overall, _ = summarize(totals, k=k)

@@ -1,0 +1,95 @@
+"""`specdec regenerate`: the target answers its own prompts (self-distillation data)."""
+
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = """\
+The target answers each conversation's user turns, turn by turn (every assistant turn is replaced
+by the target's own answer; --single-turn asks only the first user turn). A drafter trained on
+the target's own answers learns what the target will say, not what ChatGPT once said.
+
+In process: batched plain decoding with HF generate (left-padded, longest prompts first).
+With --endpoint: any OpenAI-compatible server (vLLM, SGLang, specdec serve), --concurrency
+requests in flight, retries with exponential backoff on connection errors, 429 and 5xx.
+
+Output: one JSON line per finished conversation, fsynced:
+  {"id", "messages", "target", "finish_reason", "new_tokens", "finish_reasons"}
+Rerunning the same command resumes: finished ids are skipped and a line torn by a kill is
+dropped. Prompt sources: sharegpt, mt-bench, humaneval, or a local .json/.jsonl.
+
+examples:
+  specdec regenerate --target tiny-llama --prompts mt-bench --limit 4 --max-new-tokens 16 -o /tmp/regen.jsonl
+  specdec regenerate --target smollm2-135m-instruct --prompts sharegpt --limit 1000 \\
+      --batch-size 32 -o runs/smol/regen.jsonl
+  specdec regenerate --endpoint http://localhost:8000 --prompts sharegpt --limit 10000 \\
+      --concurrency 64 -o runs/big/regen.jsonl          # vLLM / SGLang already serving the target
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "regenerate",
+        help="the target answers its own prompts (self-distillation data for training)",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--target", metavar="T", help="registry name, HF folder or .gguf (in-process mode)")
+    p.add_argument("--prompts", required=True, metavar="SOURCE",
+                   help="sharegpt, mt-bench, humaneval, or a local .json/.jsonl file")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="JSONL to append to (resumed)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="random sample of N conversations")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --limit sample and of sampling (default: 0)")
+    p.add_argument("--single-turn", action="store_true", help="answer only the first user turn")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="per answer (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
+    g = p.add_argument_group("in-process generation")
+    g.add_argument("--batch-size", type=int, default=8, metavar="B", help="conversations per batch (default: 8)")
+    g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    g.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
+                   help="model dtype (default: bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--device-map", default=None, metavar="MAP", help="e.g. auto, to spread a large target over GPUs")
+    e = p.add_argument_group("OpenAI-compatible endpoint")
+    e.add_argument("--endpoint", metavar="URL", help="e.g. http://localhost:8000 (uses /v1/chat/completions)")
+    e.add_argument("--model", metavar="NAME", help="served model name (default: the first of GET /v1/models)")
+    e.add_argument("--concurrency", type=int, default=8, metavar="N", help="requests in flight (default: 8)")
+    e.add_argument("--api-key", default=None, metavar="KEY", help="bearer token (default: $OPENAI_API_KEY)")
+    e.add_argument("--max-retries", type=int, default=6, metavar="N",
+                   help="retries per request on connection errors, 429 and 5xx (default: 6)")
+    e.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per request (default: 600)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import os
+
+    from specdec.data.datasets import load_conversations
+    from specdec.data.regenerate import RegenConfig, regenerate_endpoint, regenerate_local
+    from specdec.errors import SpecdecError
+
+    if not args.endpoint and not args.target:
+        raise SpecdecError("expected --target T (generate in process) or --endpoint URL (a running server)")
+    if args.batch_size < 1:
+        raise SpecdecError(f"--batch-size must be >= 1, found {args.batch_size}")
+    if args.max_new_tokens < 1:
+        raise SpecdecError(f"--max-new-tokens must be >= 1, found {args.max_new_tokens}")
+    convs = load_conversations(args.prompts, limit=args.limit, seed=args.seed)
+    cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                      seed=args.seed, single_turn=args.single_turn)
+    progress = not args.no_progress
+    if args.endpoint:
+        summary = regenerate_endpoint(
+            args.endpoint, convs, args.output, cfg, model=args.model, concurrency=args.concurrency,
+            api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), max_retries=args.max_retries,
+            timeout_s=args.timeout, progress=progress,
+        )
+    else:
+        from specdec.models.target import load_target
+
+        target = load_target(args.target, device=args.device, dtype=args.dtype, device_map=args.device_map)
+        summary = regenerate_local(target, convs, args.output, cfg, batch_size=args.batch_size, progress=progress)
+    print(summary.line())
+    print(f"wrote {args.output}; next: specdec capture --target {args.target or 'T'} --data {args.output} -o DIR")
+    return 0

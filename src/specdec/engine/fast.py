@@ -1,0 +1,665 @@
+"""The CUDA fast path: a static-KV-cache decoder for Llama-family targets, with every target step
+(plain decode of 1 token, verification of k+1 tokens, a prefill chunk) captured as one CUDA graph.
+
+Built from a Hugging Face model's own weights (Llama, Qwen2, Qwen3, Mistral, SmolLM2 share the
+math): q/k/v and gate/up are fused into single matrices (the HF modules are re-pointed at views of
+them, so no memory is duplicated and the HF model keeps working); one compiled function runs any
+decoder layer, one the embedding/rope/mask preparation and one the final norm + lm_head + argmax;
+the whole step is then captured with `torch.cuda.CUDAGraph`. A step reads its inputs from one
+int64 staging buffer (one host-to-device copy) and the host reads back only the argmax tokens
+(the accepted length follows from them), or the logits when sampling.
+
+Layout of a step of T tokens (T is a captured bucket; shorter drafts are padded):
+    staging = [slot0, ids[T], rope_pos[T], tree_mask[T*T]]
+slot0 is the first cache slot written (= tokens already in the cache); row t attends to every
+slot < slot0 and to the in-step slots its tree mask allows (lower triangle for a chain). Rope
+positions are P + depth, slots are P + index, so trees and chains share one path. Rolling back
+is a pointer move; an accepted tree path is compacted with one captured copy.
+
+`FastEngine` subclasses the reference `SpeculativeEngine` and exposes the same `generate_iter`
+/ `generate`, `StepOutput` / `GenerationResult`; `make_engine` picks it when it applies and
+falls back to the reference engine otherwise.
+
+Examples:
+    from specdec.engine.fast import make_engine
+    engine = make_engine(load_target("smollm2-135m-instruct"), ngram=3, k=7)
+    print(engine.generate(prompt_ids, SamplingParams(max_new_tokens=256)).stats())
+
+    python benchmarks/smollm2.py       # GPU: ms/token against HF eager, same run
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import SpecdecError
+from ..models.target import Target
+from .api import SamplingParams, StepOutput
+from .eagle import Eagle3Proposer
+from .engine import SpeculativeEngine
+from .sampling import sample, target_probs
+from .tree import Draft, TreeConfig, ancestor_mask
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+STATIC_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+
+
+def check_supported(config, max_len: int | None = None) -> None:
+    """Raise SpecdecError unless the fast decoder computes exactly what HF computes for `config`."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_ARCHS:
+        raise SpecdecError(
+            f"the fast path supports {', '.join(SUPPORTED_ARCHS)} targets, found {mt!r}; "
+            f"use the reference engine (specdec.engine.engine.SpeculativeEngine)"
+        )
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise SpecdecError(f"the fast path expects a SiLU MLP, found hidden_act={act!r}; use the reference engine")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rtype = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if rtype not in STATIC_ROPE_TYPES:
+        raise SpecdecError(
+            f"the fast path precomputes rope tables; rope_type {rtype!r} depends on the sequence "
+            f"length; expected one of {STATIC_ROPE_TYPES}; use the reference engine"
+        )
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = window is not None and (mt == "mistral" or "sliding_attention" in layer_types)
+    if sliding and max_len is not None and window < max_len:
+        raise SpecdecError(
+            f"the target uses sliding-window attention ({window} tokens) and the fast path attends "
+            f"to the whole cache; pass max_len <= {window} or use the reference engine"
+        )
+
+
+# -- the math, shared by the eager (CPU, tests) and the compiled (CUDA) paths -----------------
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Exactly HF's LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    dt = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(dt)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shapes:
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    eps: float
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+    @classmethod
+    def from_config(cls, c) -> "Shapes":
+        heads = c.num_attention_heads
+        return cls(
+            num_layers=c.num_hidden_layers,
+            hidden=c.hidden_size,
+            heads=heads,
+            kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate=c.intermediate_size,
+            vocab=c.vocab_size,
+            eps=float(c.rms_norm_eps),
+        )
+
+
+def make_layer_fn(s: Shapes):
+    """One decoder layer over T tokens. Every argument is a tensor (or None), so one compiled
+    graph serves all layers."""
+    nh, nkv, hd, g, eps = s.heads, s.kv_heads, s.head_dim, s.groups, s.eps
+    scale = hd**-0.5
+
+    def layer(x, ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd, kc, vc, cos, sin, slots, mask):
+        T = x.shape[0]
+        h = rms_norm(x, ln1, eps)
+        qkv = F.linear(h, wqkv, bqkv)  # shape: [T, (nh + 2 nkv) hd]
+        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
+        if qn is not None:  # Qwen3: per-head RMSNorm before rope
+            q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
+        c, sn = cos[:, None, :], sin[:, None, :]
+        q = q * c + _rotate_half(q) * sn
+        k = k * c + _rotate_half(k) * sn
+        kc[:, slots] = k.transpose(0, 1)  # kc shape: [nkv, S, hd]; index_put_, reinplaced
+        vc[:, slots] = v.transpose(0, 1)
+        # GQA without repeating the cache: the g query heads of one kv head become g*T rows.
+        qg = q.view(T, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * T, hd)
+        att = torch.matmul(qg, kc.transpose(1, 2)) * scale  # shape: [nkv, gT, S]
+        att = att + mask
+        att = torch.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.matmul(att, vc)  # shape: [nkv, gT, hd]
+        o = o.view(nkv, g, T, hd).permute(2, 0, 1, 3).reshape(T, nh * hd)
+        x = x + F.linear(o, wo, bo)
+        h = rms_norm(x, ln2, eps)
+        gate, up = F.linear(h, wgu, bgu).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, wd, bd)
+
+    return layer
+
+
+def make_prep_fn(s: Shapes, cache_len: int):
+    """Unpack the staging buffer: embeddings, rope rows, cache slots and the additive mask."""
+    g = s.groups
+
+    def prep(staging, embed, cos_t, sin_t):
+        T = math.isqrt(staging.shape[0]) - 1  # len = 1 + 2T + T^2 = (T + 1)^2
+        slot0 = staging[0:1]
+        ids, pos = staging[1 : 1 + T], staging[1 + T : 1 + 2 * T]
+        tm = staging[1 + 2 * T :].view(T, T) != 0
+        x = F.embedding(ids, embed)
+        cos, sin = cos_t[pos], sin_t[pos]
+        rel = torch.arange(cache_len, device=staging.device) - slot0  # shape: [S]
+        in_step = (rel >= 0) & (rel < T) & tm[:, rel.clamp(0, T - 1)]
+        allowed = (rel < 0) | in_step  # shape: [T, S]
+        mask = torch.zeros(T, cache_len, dtype=embed.dtype, device=staging.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(embed.dtype).min).repeat(g, 1)  # [gT, S]
+        slots = slot0 + torch.arange(T, device=staging.device)
+        return x, cos, sin, slots, mask
+
+    return prep
+
+
+def make_head_fn(s: Shapes):
+    eps = s.eps
+
+    def head(x, norm_w, lm_w):
+        logits = F.linear(rms_norm(x, norm_w, eps), lm_w)  # shape: [T, V]
+        return logits, logits.argmax(dim=-1)
+
+    return head
+
+
+# -- the decoder ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    qn: torch.Tensor | None
+    kn: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    ln2: torch.Tensor
+    wgu: torch.Tensor
+    bgu: torch.Tensor | None
+    wd: torch.Tensor
+    bd: torch.Tensor | None
+
+    def args(self):
+        return (self.ln1, self.wqkv, self.bqkv, self.qn, self.kn, self.wo, self.bo, self.ln2,
+                self.wgu, self.bgu, self.wd, self.bd)
+
+
+def _fuse(mods, share: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of nn.Linear modules along the output dimension;
+    with `share`, point each module at its view of the fused tensor (no second copy)."""
+    w = torch.cat([m.weight.data for m in mods], dim=0)
+    has_b = [m.bias is not None for m in mods]
+    if any(has_b) and not all(has_b):
+        raise SpecdecError("fused projections must all have biases or none")
+    b = torch.cat([m.bias.data for m in mods], dim=0) if all(has_b) else None
+    if share:
+        off = 0
+        for m in mods:
+            n = m.weight.shape[0]
+            m.weight.data = w[off : off + n]
+            if b is not None:
+                m.bias.data = b[off : off + n]
+            off += n
+    return w, b
+
+
+def _bias(m) -> torch.Tensor | None:
+    return m.bias.data if getattr(m, "bias", None) is not None else None
+
+
+@dataclass
+class StepBuffers:
+    T: int
+    staging: torch.Tensor  # device int64 [1 + 2T + T^2], read by the graph
+    host: torch.Tensor  # host int64 (pinned on CUDA), the same layout
+    logits: torch.Tensor | None = None  # [T, V]
+    top: torch.Tensor | None = None  # [T] argmax
+    aux: torch.Tensor | None = None  # [T, 3H] when capturing aux states
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class FastDecoder:
+    """Static-KV-cache batch-1 decoder over a Llama-family HF model's weights."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_len: int = 2048,
+        aux_layer_ids: list[int] | None = None,
+        last_state: str = "pre_norm",
+        share_weights: bool = True,
+        pad: int = 64,
+    ):
+        cfg = model.config
+        check_supported(cfg, max_len)
+        self.config = cfg
+        self.shapes = s = Shapes.from_config(cfg)
+        p0 = next(model.parameters())
+        self.device, self.dtype = p0.device, p0.dtype
+        self.max_len = max_len
+        # Cache slots past max_len: padded rows of the last step and warm-up writes land there.
+        self.cache_len = _round_up(max_len + pad, 64)  # a multiple of 64 keeps mask rows aligned
+        inner = model.model
+        self.layers: list[_Layer] = []
+        with torch.no_grad():
+            for layer in inner.layers:
+                a, m = layer.self_attn, layer.mlp
+                wqkv, bqkv = _fuse([a.q_proj, a.k_proj, a.v_proj], share_weights)
+                wgu, bgu = _fuse([m.gate_proj, m.up_proj], share_weights)
+                qn = getattr(a, "q_norm", None)
+                kn = getattr(a, "k_norm", None)
+                self.layers.append(_Layer(
+                    ln1=layer.input_layernorm.weight.data, wqkv=wqkv, bqkv=bqkv,
+                    qn=qn.weight.data if qn is not None else None,
+                    kn=kn.weight.data if kn is not None else None,
+                    wo=a.o_proj.weight.data, bo=_bias(a.o_proj),
+                    ln2=layer.post_attention_layernorm.weight.data,
+                    wgu=wgu, bgu=bgu, wd=m.down_proj.weight.data, bd=_bias(m.down_proj),
+                ))
+            self.embed = model.get_input_embeddings().weight.data
+            self.norm_w = inner.norm.weight.data
+            self.lm_w = model.get_output_embeddings().weight.data
+            self.cos, self.sin = _rope_tables(model, self.cache_len, self.device, self.dtype)
+            shape = (s.kv_heads, self.cache_len, s.head_dim)
+            self.kc = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
+            self.vc = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
+        self.aux_layer_ids = list(aux_layer_ids or [])
+        self.last_state = last_state
+        self._layer = make_layer_fn(s)
+        self._prep = make_prep_fn(s, self.cache_len)
+        self._head = make_head_fn(s)
+        self.use_graphs = False
+        self.compiled = False
+        self.compile_seconds = 0.0
+        self._bufs: dict[tuple[int, bool], StepBuffers] = {}
+        self._compact: dict[int, tuple] = {}
+
+    # -- setup ---------------------------------------------------------------------------
+    def optimize(self, *, compile: bool = True, cuda_graphs: bool = True, mode: str | None = None,
+                 coordinate_descent: bool = True) -> "FastDecoder":
+        """Compile the step functions with inductor (`mode` is torch.compile's; the default fuses
+        without autotuning matmuls) and capture each step as a CUDA graph on first use.
+
+        `coordinate_descent` sets inductor's coordinate_descent_tuning, which also turns every
+        matrix-vector product (one token) into a tuned Triton reduction instead of a cuBLAS GEMV.
+        Graphs captured before are dropped."""
+        if self.device.type != "cuda" and cuda_graphs:
+            raise SpecdecError("CUDA graphs need a CUDA device; found " + str(self.device))
+        self._bufs.clear()
+        self._compact.clear()
+        self._layer = make_layer_fn(self.shapes)
+        self._prep = make_prep_fn(self.shapes, self.cache_len)
+        self._head = make_head_fn(self.shapes)
+        if compile:
+            import torch._inductor.config as ic
+
+            ic.coordinate_descent_tuning = coordinate_descent
+            ic.triton.unique_kernel_names = True
+            if hasattr(ic, "fx_graph_cache"):
+                ic.fx_graph_cache = True
+            opts = dict(dynamic=False, fullgraph=True)
+            if mode:
+                opts["mode"] = mode
+            self._layer = torch.compile(self._layer, **opts)
+            self._prep = torch.compile(self._prep, **opts)
+            self._head = torch.compile(self._head, **opts)
+        self.compiled = compile
+        self.use_graphs = cuda_graphs
+        return self
+
+    def _buffers(self, T: int, capture: bool) -> StepBuffers:
+        key = (T, capture)
+        b = self._bufs.get(key)
+        if b is not None:
+            return b
+        n = 1 + 2 * T + T * T
+        host = torch.zeros(n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        b = StepBuffers(T=T, staging=torch.zeros(n, dtype=torch.int64, device=self.device), host=host)
+        # Warm-up and capture write the cache: aim them at the scratch slots past max_len.
+        self._fill(b, [0] * T, list(range(T)), self.cache_len - T, _causal(T))
+        b.staging.copy_(b.host)
+        if not self.use_graphs:
+            self._bufs[key] = b
+            return b
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):  # compile, then one clean run (inductor allocates lazily)
+                self._run(b.staging, capture)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g), torch.no_grad():
+            b.logits, b.top, b.aux = self._run(b.staging, capture)
+        b.graph = g
+        torch.cuda.synchronize()
+        self.compile_seconds += time.perf_counter() - t0
+        self._bufs[key] = b
+        return b
+
+    def warmup(self, buckets: list[int], capture: bool = False) -> None:
+        for T in buckets:
+            self._buffers(T, capture)
+
+    # -- one step ------------------------------------------------------------------------
+    def _run(self, staging: torch.Tensor, capture: bool):
+        x, cos, sin, slots, mask = self._prep(staging, self.embed, self.cos, self.sin)
+        states = {}
+        L = self.shapes.num_layers
+        for i, lw in enumerate(self.layers):
+            if capture and i in self.aux_layer_ids:
+                states[i] = x
+            x = self._layer(x, *lw.args(), self.kc[i], self.vc[i], cos, sin, slots, mask)
+        aux = None
+        if capture:
+            if L in self.aux_layer_ids:
+                states[L] = rms_norm(x, self.norm_w, self.shapes.eps) if self.last_state == "post_norm" else x
+            aux = torch.cat([states[i] for i in self.aux_layer_ids], dim=-1)
+        logits, top = self._head(x, self.norm_w, self.lm_w)
+        return logits, top, aux
+
+    @staticmethod
+    def _fill(b: StepBuffers, ids, pos, slot0: int, tmask: torch.Tensor) -> None:
+        T = b.T
+        h = b.host
+        h[0] = slot0
+        h[1 : 1 + len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        h[1 : 1 + T][len(ids):] = 0
+        last = pos[-1] if pos else 0
+        h[1 + T : 1 + 2 * T] = torch.tensor(list(pos) + [last] * (T - len(pos)), dtype=torch.int64)
+        h[1 + 2 * T :] = tmask.reshape(-1).to(torch.int64)
+
+    def step(self, ids: list[int], pos: list[int], slot0: int, tmask: torch.Tensor, T: int,
+             capture: bool = False) -> StepBuffers:
+        """Run one step of bucket T (len(ids) <= T; the rest is padding). Returns the buffers
+        holding logits/top/aux (valid until the next step of the same bucket)."""
+        if slot0 + T > self.cache_len:
+            raise SpecdecError(f"cache of {self.cache_len} slots is full (slot {slot0} + {T})")
+        b = self._buffers(T, capture)
+        self._fill(b, ids, pos, slot0, tmask)
+        b.staging.copy_(b.host, non_blocking=True)
+        if b.graph is not None:
+            b.graph.replay()
+        else:
+            with torch.no_grad():
+                b.logits, b.top, b.aux = self._run(b.staging, capture)
+        return b
+
+    # -- cache edits -----------------------------------------------------------------------
+    def compact(self, dst_start: int, src: list[int]) -> None:
+        """Move cache slots `src` to dst_start.. in every layer (an accepted tree path)."""
+        n = len(src)
+        if not self.use_graphs:
+            idx = torch.tensor(src, device=self.device)
+            dst = torch.arange(dst_start, dst_start + n, device=self.device)
+            for kc, vc in zip(self.kc, self.vc):
+                kc.index_copy_(1, dst, kc.index_select(1, idx))
+                vc.index_copy_(1, dst, vc.index_select(1, idx))
+            return
+        width = 1 << max(0, (n - 1).bit_length())
+        entry = self._compact.get(width)
+        if entry is None:
+            buf = torch.full((2, width), self.cache_len - 1, dtype=torch.int64, device=self.device)
+            host = torch.empty((2, width), dtype=torch.int64, pin_memory=True)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for kc, vc in zip(self.kc, self.vc):
+                    kc.index_copy_(1, buf[1], kc.index_select(1, buf[0]))
+                    vc.index_copy_(1, buf[1], vc.index_select(1, buf[0]))
+            entry = self._compact[width] = (g, buf, host)
+        g, buf, host = entry
+        host.fill_(self.cache_len - 1)  # padding copies the scratch slot onto itself
+        host[0, :n] = torch.tensor(src)
+        host[1, :n] = torch.arange(dst_start, dst_start + n)
+        buf.copy_(host, non_blocking=True)
+        g.replay()
+
+    # -- whole prompts -------------------------------------------------------------------
+    def prefill(self, prompt_ids: list[int], chunk: int, capture: bool = False):
+        """Fill the cache with the prompt in chunks of `chunk` tokens. Returns (logits of the last
+        prompt token [V], its argmax as a 0-d device tensor, aux [len(prompt), 3H] or None)."""
+        auxes = []
+        P = len(prompt_ids)
+        b = None
+        for start in range(0, P, chunk):
+            ids = prompt_ids[start : start + chunk]
+            b = self.step(ids, list(range(start, start + len(ids))), start, _causal(chunk), chunk, capture)
+            if capture:
+                auxes.append(b.aux[: len(ids)].clone())
+            last = len(ids) - 1
+        aux = torch.cat(auxes) if capture else None
+        return b.logits[last], b.top[last], aux
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+_CAUSAL: dict[int, torch.Tensor] = {}
+
+
+def _causal(T: int) -> torch.Tensor:
+    m = _CAUSAL.get(T)
+    if m is None:
+        m = _CAUSAL[T] = torch.ones(T, T, dtype=torch.bool).tril()
+    return m
+
+
+def _rope_tables(model, n: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, head_dim] from a fresh copy of the model's own rotary module (its buffers may
+    be uninitialised after a meta-device build), computed on CPU in fp32 then cast like HF."""
+    rot = model.model.rotary_emb
+    fresh = type(rot)(config=model.config)
+    pos = torch.arange(n)[None]
+    cos, sin = fresh(torch.zeros(1, dtype=torch.float32), pos)
+    return cos[0].to(device=device, dtype=dtype), sin[0].to(device=device, dtype=dtype)
+
+
+# -- the engine -----------------------------------------------------------------------------------
+
+
+class FastEngine(SpeculativeEngine):
+    """Same API and lossless acceptance as `SpeculativeEngine`, on a `FastDecoder`.
+
+    Buckets (one compiled step and one CUDA graph each): 1 (plain, or an empty draft), k+1 (a
+    chain draft, padded), the tree size + 1 (a tree draft) and `prefill_chunk`."""
+
+    def __init__(
+        self,
+        target: Target,
+        *,
+        drafter=None,
+        ngram: int | None = None,
+        k: int = 5,
+        tree: TreeConfig | None = None,
+        proposer=None,
+        max_len: int | None = None,
+        prefill_chunk: int = 32,
+        compile: bool = True,
+        cuda_graphs: bool = True,
+        mode: str | None = None,
+        coordinate_descent: bool = True,
+        require_cuda: bool = True,
+    ):
+        if require_cuda and target.device.type != "cuda":
+            raise SpecdecError(
+                f"the fast path needs a CUDA GPU; the target is on {target.device}; use the "
+                f"reference engine (SpeculativeEngine), which runs anywhere"
+            )
+        super().__init__(target, drafter=drafter, ngram=ngram, k=k, tree=tree, proposer=proposer)
+        ctx = getattr(target.config, "max_position_embeddings", None) or 4096
+        self.max_len = min(max_len or 2048, ctx)  # prompt + new tokens
+        self.buckets = sorted({1, k + 1} | ({tree.total_tokens + 1} if tree else set()))
+        self.prefill_chunk = prefill_chunk
+        # Slots past max_len: a last verify step's draft and padding, a padded prefill chunk, and
+        # the scratch slot that warm-ups and padded copies write.
+        pad = self.buckets[-1] + prefill_chunk + 1
+        self.fast = FastDecoder(target.model, max_len=self.max_len, aux_layer_ids=target.aux_layer_ids,
+                                last_state=target.last_state, pad=pad)
+        on_cuda = target.device.type == "cuda"
+        if on_cuda or not require_cuda:
+            self.fast.optimize(compile=compile and on_cuda, cuda_graphs=cuda_graphs and on_cuda,
+                               mode=mode, coordinate_descent=coordinate_descent)
+
+    def warmup(self) -> float:
+        """Compile and capture every bucket now; returns the seconds it took."""
+        t0 = time.perf_counter()
+        capture = isinstance(self.proposer, Eagle3Proposer)
+        self.fast.aux_layer_ids = list(self.target.aux_layer_ids)
+        self.fast.warmup(sorted(set(self.buckets) | {self.prefill_chunk}), capture)
+        return time.perf_counter() - t0
+
+    def _bucket(self, n: int) -> int:
+        for T in self.buckets:
+            if T >= n:
+                return T
+        raise SpecdecError(f"a draft of {n - 1} tokens exceeds the largest verify bucket {self.buckets[-1] - 1}")
+
+    @torch.no_grad()
+    def generate_iter(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
+        if not prompt_ids:
+            raise SpecdecError("empty prompt: expected at least one token")
+        if len(prompt_ids) + params.max_new_tokens > self.max_len:
+            raise SpecdecError(
+                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} exceeds "
+                f"the fast path's cache of {self.max_len} tokens; pass a larger max_len"
+            )
+        dev = self.target.device
+        gen = None
+        greedy = params.temperature <= 0
+        if not greedy:
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(params.seed if params.seed is not None else int(torch.seed() % (1 << 62)))
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.target.eos_token_ids))
+        eagle = isinstance(self.proposer, Eagle3Proposer)
+        self.fast.aux_layer_ids = list(self.target.aux_layer_ids)
+        logits, top, aux = self.fast.prefill(list(prompt_ids), self.prefill_chunk, capture=eagle)
+        last = int(top) if greedy else sample(target_probs(logits.float(), params), gen)
+        context = list(prompt_ids) + [last]
+        if eagle:
+            self.proposer.reset(len(prompt_ids) + params.max_new_tokens + 64)
+            self.proposer.commit(aux[None], torch.tensor(context[1:], device=dev))
+        elif self.proposer is not None:
+            self.proposer.reset(prompt_ids)
+        produced = 1
+        finished = last in stops or produced >= params.max_new_tokens
+        yield StepOutput(token_ids=[last], finished=finished,
+                         finish_reason=("stop" if last in stops else "length") if finished else None)
+        while not finished:
+            P = len(context) - 1  # tokens in the cache; context[-1] is not yet in it
+            budget = params.max_new_tokens - produced
+            if eagle:
+                draft = self.proposer.propose(params, gen, self.target.vocab_size)
+            elif self.proposer is not None:
+                draft = self.proposer.propose(context, min(self.k, budget))
+            else:
+                draft = Draft()
+            n = len(draft)
+            T = self._bucket(n + 1)
+            depths = draft.depths()
+            pos = [P] + [P + 1 + d for d in depths]
+            tmask = _tree_mask(draft.parents, T) if n and not draft.is_chain else _causal(T)
+            b = self.fast.step([context[-1], *draft.tokens], pos, P, tmask, T, capture=eagle)
+            if greedy:
+                path, bonus = _greedy_walk(draft, b.top[: n + 1].tolist())
+            else:
+                path, bonus = self._accept(draft, b.logits[: n + 1].float(), params, gen)
+            if path and path != list(range(len(path))):
+                self.fast.compact(P + 1, [P + 1 + i for i in path])
+            new_tokens = [draft.tokens[i] for i in path] + [bonus]
+            if eagle:
+                rows = torch.tensor([0] + [1 + i for i in path], device=dev)
+                self.proposer.commit(b.aux[rows][None], torch.tensor(new_tokens, device=dev))
+            depth_count = max(depths, default=-1) + 1
+            positions_ok = [i < len(path) for i in range(depth_count)]
+            committed = []
+            reason = None
+            for t in new_tokens:
+                committed.append(t)
+                produced += 1
+                if t in stops:
+                    reason = "stop"
+                    break
+                if produced >= params.max_new_tokens:
+                    reason = "length"
+                    break
+            context.extend(committed)
+            finished = reason is not None
+            yield StepOutput(token_ids=committed, drafted=n, accepted=len(path),
+                             accepted_positions=positions_ok, finished=finished, finish_reason=reason)
+
+
+def _greedy_walk(draft: Draft, top: list[int]) -> tuple[list[int], int]:
+    """Longest draft path whose every token is the target's argmax at its parent; the bonus
+    token is the argmax after the path. `top[0]` is the root's row, `top[1 + i]` node i's."""
+    children = draft.children()
+    path: list[int] = []
+    node = -1
+    while True:
+        best = top[0 if node < 0 else 1 + node]
+        match = next((c for c in children.get(node, []) if draft.tokens[c] == best), None)
+        if match is None:
+            return path, best
+        path.append(match)
+        node = match
+
+
+def _tree_mask(parents: list[int], T: int) -> torch.Tensor:
+    """bool [T, T] over [root, *nodes, padding]: row i sees j when j is i or an ancestor."""
+    n = len(parents)
+    m = torch.eye(T, dtype=torch.bool)
+    m[1 : 1 + n, 0] = True
+    m[1 : 1 + n, 1 : 1 + n] = ancestor_mask(parents)
+    return m
+
+
+def make_engine(target: Target, *, fast: bool | None = None, **kwargs) -> SpeculativeEngine:
+    """The fast engine when the target is a supported architecture on a CUDA GPU, else the
+    reference engine (`fast=True` makes a fallback an error; `fast=False` forces the reference).
+    Keyword arguments the reference engine does not take are dropped for it."""
+    reason = None
+    if fast is not False:
+        if target.device.type != "cuda":
+            reason = f"the target is on {target.device}"
+        else:
+            try:
+                check_supported(target.config, kwargs.get("max_len"))
+            except SpecdecError as e:
+                reason = str(e)
+    if fast is False or reason is not None:
+        if fast is True:
+            raise SpecdecError(f"the fast path does not apply: {reason}")
+        ref_kw = {k: v for k, v in kwargs.items() if k in ("drafter", "ngram", "k", "tree", "proposer")}
+        return SpeculativeEngine(target, **ref_kw)
+    return FastEngine(target, **kwargs)

@@ -1,0 +1,153 @@
+"""The fast path computes what HF computes: logits of the fused static-cache decoder equal the HF
+model's (fp32, CPU, no compile, no graphs), and FastEngine's greedy output is token-identical to
+the reference engine's, plain, n-gram, EAGLE-3 chain and tree. GPU-only parts (compile, CUDA
+graphs, timing) are exercised by benchmarks/*.py and skipped here without a GPU."""
+
+import pytest
+import torch
+
+from specdec.engine.api import SamplingParams
+from specdec.engine.engine import SpeculativeEngine
+from specdec.engine.fast import FastDecoder, FastEngine, _causal, _tree_mask, check_supported, make_engine
+from specdec.engine.tree import Draft, TreeConfig
+from specdec.errors import SpecdecError
+from tests.test_engine_lossless import OracleProposer, random_drafter
+
+FAST_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+def _prompt(n=11, seed=1):
+    return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _fast(target, **kw):
+    return FastEngine(target, require_cuda=False, max_len=128, prefill_chunk=8, **kw)
+
+
+@pytest.mark.parametrize("arch", FAST_ARCHS)
+def test_logits_match_hf(tiny_targets, arch):
+    target = tiny_targets[arch]
+    prompt = _prompt(13)
+    with torch.no_grad():
+        ref = target.model(input_ids=torch.tensor([prompt])).logits[0]
+    dec = FastDecoder(target.model, max_len=64, pad=32)
+    dec.optimize(compile=False, cuda_graphs=False)
+    # Prefill in chunks of 8 (the second chunk padded), then one more token through bucket 1.
+    rows = []
+    for start in range(0, len(prompt), 8):
+        ids = prompt[start : start + 8]
+        b = dec.step(ids, list(range(start, start + len(ids))), start, _causal(8), 8)
+        rows.append(b.logits[: len(ids)].clone())
+    got = torch.cat(rows)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
+    nxt = int(ref[-1].argmax())
+    b = dec.step([nxt], [len(prompt)], len(prompt), _causal(1), 1)
+    with torch.no_grad():
+        ref2 = target.model(input_ids=torch.tensor([prompt + [nxt]])).logits[0, -1]
+    assert torch.allclose(b.logits[0], ref2, atol=1e-4, rtol=1e-4)
+
+
+def test_tree_step_matches_hf_per_branch(tiny_targets):
+    """A tree step's node logits equal HF's logits for each root-to-node path."""
+    target = tiny_targets["llama"]
+    prompt = _prompt(9)
+    dec = FastDecoder(target.model, max_len=64, pad=32)
+    dec.optimize(compile=False, cuda_graphs=False)
+    dec.step(prompt[:-1], list(range(len(prompt) - 1)), 0, _causal(8), 8)
+    P = len(prompt) - 1
+    tokens, parents = [5, 6, 7, 8], [-1, -1, 0, 1]  # two branches: 5->7 and 6->8
+    draft = Draft(tokens=tokens, parents=parents)
+    pos = [P] + [P + 1 + d for d in draft.depths()]
+    b = dec.step([prompt[-1], *tokens], pos, P, _tree_mask(parents, 8), 8)
+    for node, path in ((2, [5, 7]), (3, [6, 8])):
+        with torch.no_grad():
+            ref = target.model(input_ids=torch.tensor([prompt + path])).logits[0, -1]
+        assert torch.allclose(b.logits[1 + node], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", FAST_ARCHS)
+def test_greedy_identical_to_reference(tiny_targets, arch):
+    target = tiny_targets[arch]
+    prompt = _prompt()
+    ref = SpeculativeEngine(target).generate(prompt, GREEDY).token_ids
+    assert _fast(target).generate(prompt, GREEDY).token_ids == ref
+    res = _fast(target, ngram=3, k=4).generate(prompt, GREEDY)
+    assert res.token_ids == ref
+    drafter = random_drafter(target)
+    for k in (1, 4):
+        assert _fast(target, drafter=drafter, k=k).generate(prompt, GREEDY).token_ids == ref
+    tree = TreeConfig(depth=3, top_k=3, total_tokens=8)
+    assert _fast(target, drafter=drafter, tree=tree).generate(prompt, GREEDY).token_ids == ref
+
+
+def test_oracle_tree_compaction(tiny_targets):
+    """Well-matched trees accept deep paths off the first child, exercising cache compaction."""
+    target = tiny_targets["qwen2"]
+    prompt = _prompt(7, seed=3)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ref = SpeculativeEngine(target).generate(prompt, params).token_ids
+    for width in (1, 3):
+        prop = OracleProposer(ref, len(prompt), seed=width, width=width)
+        eng = _fast(target, proposer=prop, k=4, tree=TreeConfig(depth=4, top_k=3, total_tokens=12))
+        res = eng.generate(prompt, params)
+        assert res.token_ids == ref
+        assert res.accepted > 0
+
+
+def test_sampling_runs_and_is_seeded(tiny_targets):
+    target = tiny_targets["llama"]
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    a = _fast(target, ngram=2, k=3).generate(_prompt(), params).token_ids
+    b = _fast(target, ngram=2, k=3).generate(_prompt(), params).token_ids
+    assert a == b and len(a) == 16
+
+
+def test_stops_and_length_like_reference(tiny_targets):
+    target = tiny_targets["mistral"]
+    prompt = _prompt()
+    ref = SpeculativeEngine(target).generate(prompt, GREEDY).token_ids
+    stop = ref[5]
+    params = SamplingParams(max_new_tokens=24, stop_token_ids=(stop,), ignore_eos=True)
+    want = SpeculativeEngine(target, ngram=3, k=4).generate(prompt, params)
+    got = _fast(target, ngram=3, k=4).generate(prompt, params)
+    assert got.token_ids == want.token_ids and got.finish_reason == "stop"
+    with pytest.raises(SpecdecError, match="max_len"):
+        _fast(target).generate(prompt, SamplingParams(max_new_tokens=500))
+
+
+def test_refuses_unsupported(tiny_targets):
+    with pytest.raises(SpecdecError, match="fast path supports"):
+        check_supported(tiny_targets["deepseek_v3"].config)
+    with pytest.raises(SpecdecError, match="CUDA"):
+        FastEngine(tiny_targets["llama"])  # CPU target, require_cuda defaults to True
+    # make_engine falls back to the reference engine on CPU or an unsupported arch.
+    assert type(make_engine(tiny_targets["llama"], ngram=3, max_len=64)) is SpeculativeEngine
+    assert type(make_engine(tiny_targets["deepseek_v3"])) is SpeculativeEngine
+    with pytest.raises(SpecdecError, match="does not apply"):
+        make_engine(tiny_targets["llama"], fast=True)
+
+
+def test_sliding_window_refused():
+    from specdec.models.tiny import tiny_config
+
+    cfg = tiny_config("mistral")
+    cfg.sliding_window = 32
+    with pytest.raises(SpecdecError, match="sliding-window"):
+        check_supported(cfg, max_len=64)
+    check_supported(cfg, max_len=32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_greedy_matches_reference_fp32(tiny_dirs):
+    from transformers import AutoModelForCausalLM
+
+    from specdec.models.target import Target
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.float32).cuda()
+    target = Target(model, name="tiny-llama")
+    prompt = _prompt()
+    ref = SpeculativeEngine(target).generate(prompt, GREEDY).token_ids
+    eng = FastEngine(target, ngram=3, k=4, max_len=128, prefill_chunk=8)
+    assert eng.generate(prompt, GREEDY).token_ids == ref

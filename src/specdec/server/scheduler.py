@@ -105,11 +105,13 @@ class Scheduler:
                 continue
             self.metrics.running.inc()
             try:
-                self._generate(job)
+                final = self._generate(job)
             finally:
-                self.metrics.running.dec()
+                self.metrics.running.dec()  # before the client hears it finished
+            job._emit(final)
 
-    def _generate(self, job: Job) -> None:
+    def _generate(self, job: Job) -> Event:
+        """Run one request, streaming its deltas; returns its final event."""
         m = self.metrics
         start = time.perf_counter()
         m.queue_time.observe(start - job.arrival)
@@ -139,6 +141,7 @@ class Scheduler:
                     break
                 if delta:
                     job._emit(Event(text=delta))
+                    delta = ""
                 if job.cancelled.is_set():
                     break
             else:
@@ -146,14 +149,13 @@ class Scheduler:
         except Exception as e:  # an engine bug must fail one request, not the server
             log.exception("request %d failed", job.id)
             m.observe_finish("abort")
-            job._emit(Event(finished=True, finish_reason="abort", error=f"{type(e).__name__}: {e}",
-                            prompt_tokens=len(job.prompt_ids), completion_tokens=produced))
-            return
+            return Event(finished=True, finish_reason="abort", error=f"{type(e).__name__}: {e}",
+                         prompt_tokens=len(job.prompt_ids), completion_tokens=produced)
         finally:
             steps.close()
         if reason != "abort":
             delta += text.finish()
         m.e2e.observe(time.perf_counter() - job.arrival)
         m.observe_finish(reason)
-        job._emit(Event(text=delta if reason != "abort" else "", finished=True, finish_reason=reason,
-                        prompt_tokens=len(job.prompt_ids), completion_tokens=produced))
+        return Event(text=delta if reason != "abort" else "", finished=True, finish_reason=reason,
+                     prompt_tokens=len(job.prompt_ids), completion_tokens=produced)

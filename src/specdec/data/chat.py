@@ -88,8 +88,12 @@ def _stop_strings(tokenizer) -> list[str]:
     eos = getattr(tokenizer, "eos_token", None)
     if eos:
         out.append(str(eos))
-    vocab = tokenizer.get_vocab()
-    out += [s for s in END_OF_TURN if s in vocab and s not in out]
+    for s in END_OF_TURN:  # get_vocab() would copy a 150k-entry dict on every call
+        if s in out:
+            continue
+        i = tokenizer.convert_tokens_to_ids(s)
+        if isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == s:
+            out.append(s)
     return out
 
 

@@ -1,0 +1,257 @@
+"""`specdec capture`: what is stored equals what the target computes, the manifest says what made
+it, reruns resume (also after kill -9) and never mix captures, ranks split the data."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from specdec.capture import store as st
+from specdec.capture.run import capture_batch, plan_shards, prepare, run_capture
+from specdec.capture.store import CaptureStore
+from specdec.data.chat import render
+from specdec.errors import SpecdecError
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread; two spin-waiting threads crawl on a busy 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_targets):
+    return tiny_targets["llama"]
+
+
+def records(n=6, offset=0):
+    """Regenerate-style records of varied lengths (one with no assistant turn)."""
+    out = []
+    for i in range(offset, offset + n):
+        msgs = [{"role": "user", "content": f"question {i} " * (1 + i % 4)},
+                {"role": "assistant", "content": f"answer {i} " * (2 + i % 5)}]
+        if i % 3 == 0:
+            msgs += [{"role": "user", "content": "and then?"}, {"role": "assistant", "content": "done."}]
+        out.append({"id": f"s{i}", "messages": msgs, "target": "tiny-llama", "finish_reason": "stop", "new_tokens": 3})
+    return out
+
+
+def capture(target, out, recs, **kw):
+    kw = {"shard_tokens": 150, "max_length": 256, "batch_size": 2, "progress": False, "log": lambda s: None, **kw}
+    return run_capture(target, recs, out, **kw)
+
+
+def test_round_trip_equals_target_forward(target, tmp_path):
+    recs = records(5)
+    s = capture(target, tmp_path / "cap", recs)
+    store = CaptureStore(tmp_path / "cap")
+    assert len(store) == 5 == s.samples and s.shards > 1
+    H = target.hidden_size
+    for r in recs:
+        x = store.sample(store.sample_ids.index(r["id"]))
+        rd = render(target.tokenizer, r["messages"])
+        ref = target.forward(torch.tensor([rd.input_ids]), capture=True)
+        assert x["input_ids"].dtype == torch.int32 and x["input_ids"].tolist() == rd.input_ids
+        assert x["loss_mask"].dtype == torch.uint8 and x["loss_mask"].tolist() == rd.loss_mask
+        assert x["aux_hidden"].dtype == torch.bfloat16 and x["aux_hidden"].shape == (len(rd), 3 * H)
+        assert x["last_hidden"].shape == (len(rd), H)
+        torch.testing.assert_close(x["aux_hidden"].float(), ref.aux_hidden[0], atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(x["last_hidden"].float(), ref.last_hidden[0], atol=2e-2, rtol=1e-2)
+        # The stored pre-norm state gives the target distribution through norm + lm_head.
+        logits = target.lm_head()(target.final_norm()(x["last_hidden"].float()))
+        assert (logits.argmax(-1) == ref.logits[0].argmax(-1)).float().mean() > 0.9
+
+
+def test_online_capture_batch_is_what_offline_stores(target, tmp_path):
+    """The trainer's online path and the offline shards see identical tensors."""
+    recs = records(3)
+    capture(target, tmp_path / "cap", recs, batch_size=1)
+    store = CaptureStore(tmp_path / "cap")
+    for r in recs:
+        (online,) = capture_batch(target, [render(target.tokenizer, r["messages"])], torch.bfloat16)
+        offline = store.sample(store.sample_ids.index(r["id"]))
+        for k in ("input_ids", "loss_mask", "aux_hidden", "last_hidden"):
+            assert online[k].dtype == offline[k].dtype and torch.equal(online[k], offline[k]), k
+
+
+def test_padding_in_a_batch_changes_nothing(target):
+    rs = [render(target.tokenizer, r["messages"]) for r in records(3)]
+    batched = capture_batch(target, rs, torch.float32)
+    for r, b in zip(rs, batched):
+        (alone,) = capture_batch(target, [r], torch.float32)
+        torch.testing.assert_close(b["aux_hidden"], alone["aux_hidden"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b["last_hidden"], alone["last_hidden"], atol=1e-5, rtol=1e-5)
+
+
+def test_manifest_says_what_made_the_capture(target, tmp_path):
+    recs = records(6)
+    s = capture(target, tmp_path / "cap", recs)
+    m = json.loads((tmp_path / "cap" / "manifest.json").read_text())
+    assert m["format"] == "specdec-capture" and m["version"] == 1
+    assert m["target"] == target.name and m["target_fingerprint"] == target.fingerprint()
+    assert m["aux_layer_ids"] == target.aux_layer_ids and m["layer_convention"] == "eagle"
+    assert m["dtype"] == "bfloat16" and m["hidden_size"] == target.hidden_size and m["max_length"] == 256
+    assert m["tokenizer_fingerprint"] == st.tokenizer_fingerprint(target.tokenizer, target.eos_token_ids)
+    assert m["eos_token_ids"] == list(target.eos_token_ids)
+    assert m["num_samples"] == 6 and m["num_tokens"] == s.tokens
+    assert m["num_loss_tokens"] == sum(sum(render(target.tokenizer, r["messages"]).loss_mask) for r in recs)
+    ids = [i for sh in m["shards"] for i in sh["sample_ids"]]
+    assert sorted(ids) == sorted(r["id"] for r in recs)
+    files = sorted(p.name for p in (tmp_path / "cap").glob("shard-*.safetensors"))
+    assert files == sorted(sh["file"] for sh in m["shards"]) and files[0] == "shard-00000.safetensors"
+    assert m["bytes"] == sum((tmp_path / "cap" / f).stat().st_size for f in files)
+    # Byte cost: ids 4 + mask 1 + 4 states of H bf16 values; the data section is exactly that.
+    assert st.bytes_per_token(64, "bf16") == 5 + 4 * 64 * 2
+    assert m["bytes"] - s.tokens * st.bytes_per_token(64, "bf16") < 1024 * len(files)
+    # Shards describe themselves too.
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "cap" / files[0]), "pt") as f:
+        assert json.loads(f.metadata()["sample_ids"]) == m["shards"][0]["sample_ids"]
+
+
+def test_resume_skips_captured_ids_and_redoes_orphans(target, tmp_path):
+    out = tmp_path / "cap"
+    capture(target, out, records(4))
+    before = json.loads((out / "manifest.json").read_text())
+    (out / "shard-00042.safetensors").write_bytes(b"half a shard")  # renamed, never listed: a kill
+    (out / ".shard-00043.safetensors.abc.tmp").write_bytes(b"torn")
+    s = capture(target, out, records(7))
+    assert s.skipped_done == 4 and s.samples == 3
+    assert set(s.removed_orphans) == {"shard-00042.safetensors", ".shard-00043.safetensors.abc.tmp"}
+    m = json.loads((out / "manifest.json").read_text())
+    ids = [i for sh in m["shards"] for i in sh["sample_ids"]]
+    assert sorted(ids) == sorted(f"s{i}" for i in range(7)) and len(ids) == len(set(ids))
+    assert m["shards"][: len(before["shards"])] == before["shards"]
+    assert capture(target, out, records(7)).samples == 0
+    assert len(CaptureStore(out)) == 7
+
+
+def test_refuses_to_mix_captures(target, tiny_dirs, tmp_path):
+    out = tmp_path / "cap"
+    capture(target, out, records(2))
+    from specdec.models.target import load_target
+    from specdec.models.tiny import make_tiny_target
+
+    other = load_target(str(make_tiny_target("llama", tmp_path / "other", seed=1)), device="cpu")
+    with pytest.raises(SpecdecError, match="target_fingerprint .*refusing to mix"):
+        capture(other, out, records(3))
+    with pytest.raises(SpecdecError, match="dtype 'bfloat16' \\(on disk\\) vs 'float16'"):
+        capture(target, out, records(3), dtype="fp16")
+    old = list(target.aux_layer_ids)
+    try:
+        target.set_aux_layer_ids([1, 2, 3])
+        with pytest.raises(SpecdecError, match="aux_layer_ids"):
+            capture(target, out, records(3))
+    finally:
+        target.set_aux_layer_ids(old)
+    assert len(CaptureStore(out)) == 2  # untouched
+
+
+def test_cli_refusal_is_one_line(tiny_dirs, tmp_path, capsys):
+    from specdec.cli import main
+
+    data = tmp_path / "regen.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records(2)))
+    args = ["capture", "--target", str(tiny_dirs["llama"]), "--data", str(data), "-o", str(tmp_path / "cap"),
+            "--no-progress", "--max-length", "128"]
+    assert main(args) == 0
+    assert main(args[:-1] + ["64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("specdec capture: error:") and "max_length 128 (on disk) vs 64 (this run)" in err
+
+
+def test_refuses_when_the_projection_exceeds_free_space(target, tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(SpecdecError, match=r"capture needs about .* but .* has 1.0 KB free"):
+        capture(target, tmp_path / "cap", records(3))
+    assert not list((tmp_path / "cap").glob("shard-*"))
+
+
+def test_ranks_split_the_data_and_the_reader_splits_again(target, tmp_path):
+    out, recs = tmp_path / "cap", records(7)
+    got = []
+    for rank in (0, 1):
+        s = capture(target, out, recs, rank=rank, world_size=2)
+        got.append(s.samples)
+    assert got == [4, 3]
+    m = json.loads((out / "manifest.json").read_text())
+    by_rank = {0: set(), 1: set()}
+    for sh in m["shards"]:
+        rank = int(sh["file"].split("-")[1][1:])
+        assert sh["file"].startswith(f"shard-r{rank}-")
+        by_rank[rank] |= set(sh["sample_ids"])
+    assert by_rank[0] == {f"s{i}" for i in range(0, 7, 2)} and by_rank[1] == {f"s{i}" for i in range(1, 7, 2)}
+    store = CaptureStore(out)
+    parts = [store.indices(shuffle=True, seed=3, rank=r, world_size=2) for r in (0, 1)]
+    assert len(parts[0]) == len(parts[1]) == 3 and not set(parts[0]) & set(parts[1])
+    assert parts == [store.indices(shuffle=True, seed=3, rank=r, world_size=2) for r in (0, 1)]
+    assert store.indices(shuffle=True, seed=4) != store.indices(shuffle=True, seed=3)
+    assert sorted(store.indices(shuffle=True, seed=3)) == list(range(7))
+    n = sum(1 for _ in store.iter_samples(shuffle=True, seed=0, rank=1, world_size=2))
+    assert n == 3
+
+
+def test_plan_shards_longest_first_and_sized():
+    from specdec.capture.run import Item
+    import numpy as np
+
+    items = [Item(f"x{i}", np.zeros(n, np.int32), np.ones(n, np.uint8)) for i, n in enumerate([5, 30, 10, 20, 1])]
+    shards = plan_shards(items, 25)
+    assert [[len(i) for i in s] for s in shards] == [[30], [20, 10], [5, 1]]
+
+
+def test_prepare_truncates_and_skips_samples_without_loss(target):
+    recs = records(3) + [{"id": "q", "messages": [{"role": "user", "content": "no answer"}]}]
+    p = prepare(recs, target.tokenizer, max_length=20, done={"s1"}, progress=False)
+    assert p.already_done == 1
+    assert [it.id for it in p.items] == [] and p.skipped_no_loss == 3  # 20 tokens hold no assistant text
+    p = prepare(recs, target.tokenizer, max_length=None, done=set(), progress=False)
+    assert [it.id for it in p.items] == ["s0", "s1", "s2"] and p.skipped_no_loss == 1
+
+
+def test_kill9_after_first_shard_then_resume(tiny_dirs, tmp_path):
+    data = tmp_path / "regen.jsonl"
+    n = 80
+    data.write_text("".join(json.dumps(r) + "\n" for r in records(n)))
+    out = tmp_path / "cap"
+    args = ["capture", "--target", str(tiny_dirs["llama"]), "--data", str(data), "-o", str(out),
+            "--shard-tokens", "1", "--batch-size", "1", "--max-length", "256", "--no-progress"]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=env)
+    manifest = out / "manifest.json"
+    deadline = time.monotonic() + 90
+    while not (manifest.exists() and json.loads(manifest.read_text())["shards"]):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    killed = json.loads(manifest.read_text())
+    assert proc.returncode == -signal.SIGKILL and 1 <= killed["num_samples"] < n
+
+    from specdec.cli import main
+
+    assert main(args) == 0
+    m = json.loads(manifest.read_text())
+    ids = [i for sh in m["shards"] for i in sh["sample_ids"]]
+    assert len(ids) == len(set(ids)) == n and m["num_samples"] == n
+    assert m["shards"][: len(killed["shards"])] == killed["shards"]
+    listed = {sh["file"] for sh in m["shards"]}
+    assert {p.name for p in out.iterdir() if p.name.startswith(("shard-", ".shard-"))} == listed
+    store = CaptureStore(out)
+    assert len(store) == n and all(len(store.sample(i)["input_ids"]) > 0 for i in range(0, n, 9))

@@ -224,6 +224,13 @@ def convert_gguf(gguf_file: Path, out_dir: Path, *, eos_token_ids: tuple[int, ..
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        raise SpecdecError(
+            "converting a GGUF checkpoint needs the `accelerate` package (transformers requires it "
+            "for gguf_file=...), which is not installed; run `pip install accelerate`"
+        )
     folder, name = str(gguf_file.parent), gguf_file.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

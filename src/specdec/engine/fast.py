@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -246,6 +247,9 @@ class StepBuffers:
     aux: torch.Tensor | None = None  # [T, 3H] when capturing aux states
     graph: torch.cuda.CUDAGraph | None = None
 
+    def __post_init__(self):
+        self.host_np = self.host.numpy()
+
 
 class FastDecoder:
     """Static-KV-cache batch-1 decoder over a Llama-family HF model's weights."""
@@ -390,17 +394,18 @@ class FastDecoder:
         return logits, top, aux
 
     @staticmethod
-    def _fill(b: StepBuffers, ids, pos, slot0: int, tmask: torch.Tensor) -> None:
-        T = b.T
-        h = b.host
+    def _fill(b: StepBuffers, ids, pos, slot0: int, tmask: np.ndarray) -> None:
+        """Write a step's inputs into the host staging buffer (numpy: ~1 us per field)."""
+        T, n = b.T, len(ids)
+        h = b.host_np
         h[0] = slot0
-        h[1 : 1 + len(ids)] = torch.tensor(ids, dtype=torch.int64)
-        h[1 : 1 + T][len(ids):] = 0
-        last = pos[-1] if pos else 0
-        h[1 + T : 1 + 2 * T] = torch.tensor(list(pos) + [last] * (T - len(pos)), dtype=torch.int64)
-        h[1 + 2 * T :] = tmask.reshape(-1).to(torch.int64)
+        h[1 : 1 + n] = ids
+        h[1 + n : 1 + T] = 0
+        h[1 + T : 1 + T + n] = pos
+        h[1 + T + n : 1 + 2 * T] = pos[-1]
+        h[1 + 2 * T :] = tmask.reshape(-1)
 
-    def step(self, ids: list[int], pos: list[int], slot0: int, tmask: torch.Tensor, T: int,
+    def step(self, ids: list[int], pos: list[int], slot0: int, tmask: np.ndarray, T: int,
              capture: bool = False) -> StepBuffers:
         """Run one step of bucket T (len(ids) <= T; the rest is padding). Returns the buffers
         holding logits/top/aux (valid until the next step of the same bucket)."""
@@ -466,13 +471,14 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-_CAUSAL: dict[int, torch.Tensor] = {}
+_CAUSAL: dict[int, np.ndarray] = {}
 
 
-def _causal(T: int) -> torch.Tensor:
+def _causal(T: int) -> np.ndarray:
+    """The chain mask [T, T] (lower triangle, int64 as the staging buffer holds it)."""
     m = _CAUSAL.get(T)
     if m is None:
-        m = _CAUSAL[T] = torch.ones(T, T, dtype=torch.bool).tril()
+        m = _CAUSAL[T] = np.tril(np.ones((T, T), dtype=np.int64))
     return m
 
 
@@ -511,7 +517,10 @@ class FastEngine(SpeculativeEngine):
         mode: str | None = None,
         coordinate_descent: bool = True,
         require_cuda: bool = True,
+        decoder: FastDecoder | None = None,
     ):
+        """`decoder`: reuse another FastEngine's decoder (same target): its weights, cache and
+        captured buckets are shared, so only new bucket sizes compile."""
         if require_cuda and target.device.type != "cuda":
             raise SpecdecError(
                 f"the fast path needs a CUDA GPU; the target is on {target.device}; use the "
@@ -524,7 +533,13 @@ class FastEngine(SpeculativeEngine):
         self.prefill_chunk = prefill_chunk
         # Slots past max_len: a last verify step's draft and padding, a padded prefill chunk, and
         # the scratch slot that warm-ups and padded copies write.
-        pad = self.buckets[-1] + prefill_chunk + 1
+        # At least 64 + chunk, so a decoder shared by engines of other k (<= 63) still fits.
+        pad = max(self.buckets[-1], 64) + prefill_chunk + 1
+        if decoder is not None:
+            if decoder.cache_len < self.max_len + pad:
+                raise SpecdecError(f"the shared decoder's cache ({decoder.cache_len} slots) is too small")
+            self.fast = decoder
+            return
         self.fast = FastDecoder(target.model, max_len=self.max_len, aux_layer_ids=target.aux_layer_ids,
                                 last_state=target.last_state, pad=pad)
         on_cuda = target.device.type == "cuda"
@@ -635,12 +650,12 @@ def _greedy_walk(draft: Draft, top: list[int]) -> tuple[list[int], int]:
         node = match
 
 
-def _tree_mask(parents: list[int], T: int) -> torch.Tensor:
-    """bool [T, T] over [root, *nodes, padding]: row i sees j when j is i or an ancestor."""
+def _tree_mask(parents: list[int], T: int) -> np.ndarray:
+    """[T, T] over [root, *nodes, padding]: row i sees j when j is i or an ancestor."""
     n = len(parents)
-    m = torch.eye(T, dtype=torch.bool)
-    m[1 : 1 + n, 0] = True
-    m[1 : 1 + n, 1 : 1 + n] = ancestor_mask(parents)
+    m = np.eye(T, dtype=np.int64)
+    m[1 : 1 + n, 0] = 1
+    m[1 : 1 + n, 1 : 1 + n] = ancestor_mask(parents).numpy()
     return m
 
 

@@ -9,7 +9,6 @@ verification path.
 
 from __future__ import annotations
 
-import inspect
 import time
 from typing import Iterator
 
@@ -51,8 +50,6 @@ class SpeculativeEngine:
         elif ngram:
             self.proposer = NgramProposer(max_ngram=ngram, k=k)
         self.max_len = getattr(target.config, "max_position_embeddings", None) or 1 << 30
-        params = inspect.signature(target.model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @property
     def mode(self) -> str:

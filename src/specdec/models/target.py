@@ -74,6 +74,11 @@ class Target:
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
         self._install_hooks()
+        import inspect
+
+        # transformers >= 5.2x renames past_key_values to cache; 5.17 (vLLM images) has only the old name.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     # -- configuration -------------------------------------------------------------------
     def set_aux_layer_ids(self, ids: list[int] | None, convention: str = "eagle", shift: int = 0):
@@ -153,12 +158,11 @@ class Target:
         self._captured = {}
         self._capturing = capture
         try:
-            kwargs = {}
+            kwargs = {self._cache_kw: past_key_values}
             if logits_to_keep is not None:
                 kwargs["logits_to_keep"] = logits_to_keep
             out = self.model(
                 input_ids=input_ids,
-                past_key_values=past_key_values,
                 position_ids=position_ids,
                 attention_mask=attention_mask,
                 use_cache=past_key_values is not None,

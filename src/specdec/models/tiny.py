@@ -55,6 +55,8 @@ def tiny_config(arch: str, vocab_size: int = 259, num_layers: int = 4):
         pad_token_id=256,
         bos_token_id=None,
     )
+    if vocab_size < 259:  # not the byte tokenizer: no special ids
+        common.update(eos_token_id=None, pad_token_id=None)
     if arch == "deepseek_v3":
         common.update(
             num_key_value_heads=4,

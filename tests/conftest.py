@@ -1,0 +1,32 @@
+import os
+import warnings
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Local HF folders of tiny random targets, one per supported architecture."""
+    from specdec.models.tiny import make_tiny_target
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {a: make_tiny_target(a, root / a) for a in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_targets(tiny_dirs):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.models.target import Target
+
+    out = {}
+    for a, d in tiny_dirs.items():
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        out[a] = Target(model, AutoTokenizer.from_pretrained(d), name=f"tiny-{a}")
+    return out

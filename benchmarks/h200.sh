@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Everything BENCHMARKS.md reports, in two device calls of < 10 minutes each (the device README's
+# limits: 64 MiB carried per call, so the 98 MB SmolLM2 GGUF travels as two halves, one per call,
+# and call 2 finds the first half still on the warm machine).
+#
+#   bash benchmarks/h200.sh 1   # carry .whl .devdata/question.jsonl .devdata/p1/smol.gguf.part0
+#                               # 8B-shaped roofline; SmolLM2 shapes with random weights
+#   bash benchmarks/h200.sh 2   # carry .whl .devdata/question.jsonl .devdata/p2/smol.gguf.part1
+#                               # SmolLM2 real weights: timing, fp32 agreement, bench table
+#
+# Prepare here (once): split -b 49181216 -d -a 1 <the .gguf> .devdata/smol.gguf.part, move part0
+# to .devdata/p1/ and part1 to .devdata/p2/; pip download --no-deps gguf==0.19.0 into .whl/.
+set -u
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=src:/tmp/site
+fi
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv;
+  python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"; } \
+  > "$OUT/env_$1.txt" 2>&1
+case "$1" in
+  1)
+    timeout 330 python3 benchmarks/roofline_8b.py --budget-s 270 --out "$OUT" 2>&1 | tee "$OUT/roofline_8b.log"
+    timeout 210 python3 benchmarks/smollm2.py --budget-s 150 --tag smollm2_random --out "$OUT" \
+      --plan "hf;graph:1;cd:1,8,32,2,4,16;e2e;nocd:1" 2>&1 | tee "$OUT/smollm2_random.log"
+    ;;
+  2)
+    if [ -f .devdata/p1/smol.gguf.part0 ] && [ -f .devdata/p2/smol.gguf.part1 ]; then
+      cat .devdata/p1/smol.gguf.part0 .devdata/p2/smol.gguf.part1 > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+      sha256sum /tmp/SmolLM2-135M-Instruct.Q4_1.gguf | tee -a "$OUT/env_2.txt"
+      WEIGHTS="--gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --prompts .devdata/question.jsonl"
+    else
+      echo "first GGUF half missing (machine went cold): random weights" | tee -a "$OUT/env_2.txt"
+      WEIGHTS=""
+    fi
+    timeout 560 python3 benchmarks/smollm2.py $WEIGHTS --budget-s 420 --limit 5 --max-new-tokens 256 \
+      --out "$OUT" --plan "hf;cd:1,8,32;e2e;bench;fp32" 2>&1 | tee "$OUT/smollm2.log"
+    ;;
+esac

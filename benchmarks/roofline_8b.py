@@ -1,0 +1,167 @@
+"""Llama-3.1-8B shapes, random bf16 weights built on the GPU (no download): plain decode ms/token
+of the fast path against the HBM floor, and the cost of verifying T = 2..16 tokens relative to 1.
+
+Floor = bytes a step must read / measured copy bandwidth (read + write), with the bytes counted
+two ways: every weight (16.06 GB, as DESIGN.md states the floor) and what a step actually reads
+(the untied embedding table contributes one row). Live KV at --ctx tokens is added to both.
+
+Variants, each a separate compile (torch._dynamo.reset() between them):
+    graph      no compile, the eager step captured in one CUDA graph (launch overhead gone)
+    cd         inductor + coordinate_descent_tuning (matrix-vector products become tuned
+               Triton reductions), one CUDA graph          <- the default fast path
+    nocd       inductor without coordinate-descent tuning (cuBLAS GEMV for one token)
+    autotune   mode="max-autotune-no-cudagraphs" + coordinate descent (Triton GEMM templates
+               for the small-M verify matmuls)
+A --budget-s guard skips what would not finish; the JSON says what was skipped.
+
+    python benchmarks/roofline_8b.py --out benchmarks/results            # needs ~35 GB of GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from specdec.bench.roofline import (  # noqa: E402
+    copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kv_bytes_per_token,
+    llama31_8b_config, random_model, randomize_cache, weight_bytes,
+)
+from specdec.engine.fast import FastDecoder, _causal  # noqa: E402
+
+VARIANTS = {
+    "eager": dict(compile=False, cuda_graphs=False),  # CPU smoke runs (--tiny)
+    "graph": dict(compile=False, cuda_graphs=True),
+    "cd": dict(compile=True, cuda_graphs=True, coordinate_descent=True),
+    "nocd": dict(compile=True, cuda_graphs=True, coordinate_descent=False),
+    "autotune": dict(compile=True, cuda_graphs=True, coordinate_descent=True, mode="max-autotune-no-cudagraphs"),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="start nothing new after this")
+    ap.add_argument("--ctx", type=int, default=512, help="tokens already in the cache when timing")
+    ap.add_argument("--max-len", type=int, default=1024, help="static cache length (attention reads all of it)")
+    ap.add_argument("--plan", default="graph:1,8;cd:1;check;hf;cd:8,16,2,4;nocd:1,8;autotune:8,1",
+                    help="steps in order: VARIANT:T,T,...  |  check (logits vs HF)  |  hf (HF eager ms/token)")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny random llama")
+    args = ap.parse_args()
+    if args.tiny:
+        args.plan, args.ctx, args.max_len = "eager:1,8;check;hf", 32, 128
+    t_start = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {"env": device_info(), "command": "python " + " ".join(sys.argv),
+                 "model": "Llama-3.1-8B shapes, random bf16 weights", "ctx": args.ctx,
+                 "max_len": args.max_len, "variants": {}, "skipped": [], "errors": []}
+
+    def save():
+        res["elapsed_s"] = time.time() - t_start
+        (out / "roofline_8b.json").write_text(json.dumps(res, indent=2) + "\n")
+
+    bw = copy_bandwidth(64 << 20 if args.tiny else 2 << 30)
+    res["copy_bandwidth_TBps"] = bw / 1e12
+    if args.tiny:
+        from specdec.models.tiny import tiny_config
+
+        cfg, dev, dt = tiny_config("llama"), "cpu", torch.float32
+        res["model"] = "tiny random llama (CPU smoke run)"
+    else:
+        cfg, dev, dt = llama31_8b_config(), "cuda", torch.bfloat16
+    t0 = time.time()
+    model = random_model(cfg, device=dev, dtype=dt)
+    res["build_s"] = time.time() - t0
+    wb = weight_bytes(model)
+    kv = kv_bytes_per_token(cfg, dt) * args.ctx
+    res["bytes"] = {"weights_all": wb["all"], "weights_read": wb["read_per_step"], "kv_live": kv}
+    res["floor_ms"] = {"all_weights": floor_ms(wb["all"] + kv, bw), "bytes_read": floor_ms(wb["read_per_step"] + kv, bw)}
+    print(f"copy {bw / 1e12:.2f} TB/s; floor {res['floor_ms']['all_weights']:.3f} ms (all weights), "
+          f"{res['floor_ms']['bytes_read']:.3f} ms (bytes read)", flush=True)
+    dec = FastDecoder(model, max_len=args.max_len, pad=64)
+    randomize_cache(dec)
+    save()
+
+    current = None
+    for step in args.plan.split(";"):
+        name, _, ts = step.partition(":")
+        if time.time() - t_start > args.budget_s:
+            res["skipped"].append(step)
+            save()
+            continue
+        try:
+            if name == "hf":
+                res["hf_eager_ms"] = hf_decode_ms(model, prompt_len=args.ctx, steps=12)
+                print(f"HF eager {res['hf_eager_ms']:.2f} ms/token", flush=True)
+            elif name == "check":
+                res["check"] = check_against_hf(model, dec)
+                print("check", res["check"], flush=True)
+            else:
+                if current != name:
+                    torch._dynamo.reset()
+                    dec.optimize(**VARIANTS[name])
+                    current = name
+                for T in (int(x) for x in ts.split(",") if x):
+                    if time.time() - t_start > args.budget_s:
+                        res["skipped"].append(f"{name}:{T}")
+                        continue
+                    t0 = time.time()
+                    dec._buffers(T, False)
+                    setup = time.time() - t0
+                    r = decoder_step_ms(dec, T, slot0=args.ctx)
+                    r["compile_and_capture_s"] = setup
+                    res["variants"].setdefault(name, {})[str(T)] = r
+                    print(f"{name} T={T}: {r['ms']:.3f} ms (setup {setup:.0f} s)", flush=True)
+                    save()
+        except Exception as e:
+            res["errors"].append({"step": step, "error": f"{type(e).__name__}: {e}"[:2000],
+                                  "trace": traceback.format_exc()[-3000:]})
+            print(f"step {step} failed: {type(e).__name__}: {e}"[:500], flush=True)
+            current = None
+        save()
+    summarize(res)
+    save()
+    return 0
+
+
+@torch.no_grad()
+def check_against_hf(model, dec: FastDecoder, T: int = 16) -> dict:
+    """Logits of one chain step of T tokens at slot 0 (the current variant, graph or not)
+    against HF's forward over the same tokens."""
+    ids = torch.randint(0, dec.shapes.vocab, (T,), generator=torch.Generator().manual_seed(7)).tolist()
+    ref = model(input_ids=torch.tensor([ids], device=dec.device)).logits[0].float()
+    b = dec.step(ids, list(range(T)), 0, _causal(T), T)
+    got = b.logits[:T].float()
+    rel = float((got - ref).norm() / ref.norm())
+    agree = int((got.argmax(-1) == ref.argmax(-1)).sum())
+    return {"T": T, "rel_err": rel, "argmax_agree": agree, "of": T}
+
+
+def summarize(res: dict) -> None:
+    floor = res["floor_ms"]["all_weights"]
+    v = res["variants"]
+    summary = {}
+    for name, rows in v.items():
+        one = rows.get("1", {}).get("ms")
+        s = {}
+        if one:
+            s["decode_ms"] = one
+            s["pct_of_floor"] = 100 * floor / one
+            s["pct_of_floor_bytes_read"] = 100 * res["floor_ms"]["bytes_read"] / one
+            s["verify_ratio"] = {T: r["ms"] / one for T, r in rows.items() if T != "1"}
+        summary[name] = s
+    res["summary"] = summary
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,9 +23,9 @@ fi
   > "$OUT/env_$1.txt" 2>&1
 case "$1" in
   1)
-    timeout 330 python3 benchmarks/roofline_8b.py --budget-s 270 --out "$OUT" 2>&1 | tee "$OUT/roofline_8b.log"
-    timeout 210 python3 benchmarks/smollm2.py --budget-s 150 --tag smollm2_random --out "$OUT" \
-      --plan "hf;graph:1;cd:1,8,32,2,4,16;e2e;nocd:1" 2>&1 | tee "$OUT/smollm2_random.log"
+    timeout 320 python3 benchmarks/roofline_8b.py --budget-s 250 --out "$OUT" 2>&1 | tee "$OUT/roofline_8b.log"
+    timeout 170 python3 benchmarks/smollm2.py --budget-s 140 --tag smollm2_random --out "$OUT" \
+      --plan "hf;graph:1;cd:1,8,32,16,2,4;nocd:1" 2>&1 | tee "$OUT/smollm2_random.log"
     ;;
   2)
     if [ -f .devdata/p1/smol.gguf.part0 ] && [ -f .devdata/p2/smol.gguf.part1 ]; then
@@ -36,7 +36,7 @@ case "$1" in
       echo "first GGUF half missing (machine went cold): random weights" | tee -a "$OUT/env_2.txt"
       WEIGHTS=""
     fi
-    timeout 560 python3 benchmarks/smollm2.py $WEIGHTS --budget-s 420 --limit 5 --max-new-tokens 256 \
+    timeout 420 python3 benchmarks/smollm2.py $WEIGHTS --budget-s 300 --limit 5 --max-new-tokens 256 \
       --out "$OUT" --plan "hf;cd:1,8,32;e2e;bench;fp32" 2>&1 | tee "$OUT/smollm2.log"
     ;;
 esac

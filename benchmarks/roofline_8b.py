@@ -52,7 +52,7 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="start nothing new after this")
     ap.add_argument("--ctx", type=int, default=512, help="tokens already in the cache when timing")
     ap.add_argument("--max-len", type=int, default=1024, help="static cache length (attention reads all of it)")
-    ap.add_argument("--plan", default="graph:1,8;cd:1;check;hf;cd:8,16,2,4;nocd:1,8;autotune:8,1",
+    ap.add_argument("--plan", default="graph:1,8;cd:1;check;hf;cd:8,16,2,4;nocd:1;autotune:8",
                     help="steps in order: VARIANT:T,T,...  |  check (logits vs HF)  |  hf (HF eager ms/token)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny random llama")
     args = ap.parse_args()

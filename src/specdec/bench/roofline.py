@@ -48,11 +48,21 @@ def device_info() -> dict:
 
 
 def time_cuda(fn: Callable[[], object], *, iters: int = 50, repeats: int = 5, warmup: int = 3) -> dict:
-    """Median over `repeats` of the mean time of `iters` back-to-back calls, by CUDA events."""
+    """Median over `repeats` of the mean time of `iters` back-to-back calls, by CUDA events
+    (host clock without a GPU, so the scripts' CPU smoke runs take the same path)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
     per = []
+    if not torch.cuda.is_available():
+        import time
+
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            per.append((time.perf_counter() - t0) * 1e3 / iters)
+        return {"ms": statistics.median(per), "min_ms": min(per), "max_ms": max(per), "iters": iters, "repeats": repeats}
+    torch.cuda.synchronize()
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -66,7 +76,8 @@ def time_cuda(fn: Callable[[], object], *, iters: int = 50, repeats: int = 5, wa
 
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
     dst = torch.empty_like(src)
     t = time_cuda(lambda: dst.copy_(src), iters=iters, repeats=5)
     del src, dst
@@ -190,7 +201,10 @@ def decoder_step_ms(dec, T: int, *, slot0: int, iters: int = 50, seed: int = 0) 
     b = dec._buffers(T, False)
     dec._fill(b, ids, list(range(slot0, slot0 + T)), slot0, _causal(T))
     b.staging.copy_(b.host)
-    return time_cuda(b.graph.replay, iters=iters)
+    if b.graph is not None:
+        return time_cuda(b.graph.replay, iters=iters)
+    with torch.no_grad():
+        return time_cuda(lambda: dec._run(b.staging, False), iters=max(1, iters // 10), repeats=3, warmup=1)
 
 
 def randomize_cache(dec, seed: int = 0) -> None:

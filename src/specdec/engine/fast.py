@@ -331,6 +331,14 @@ class FastDecoder:
             ic.triton.unique_kernel_names = True
             if hasattr(ic, "fx_graph_cache"):
                 ic.fx_graph_cache = True
+            import torch._dynamo.config as dc
+
+            # One compiled graph per (bucket size, dtype): more than dynamo's default of 8.
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(dc, name):
+                    setattr(dc, name, max(64, getattr(dc, name)))
+            if hasattr(dc, "accumulated_recompile_limit"):
+                dc.accumulated_recompile_limit = max(1024, dc.accumulated_recompile_limit)
             opts = dict(dynamic=False, fullgraph=True)
             if mode:
                 opts["mode"] = mode

@@ -1,8 +1,10 @@
 """Run the target over rendered conversations and keep what EAGLE-3 training needs.
 
-`capture_batch` is the one function that turns rendered conversations into training tensors; the
-offline path (`run_capture`, which writes shards) and the online trainer (`train --online`) both
-call it, so the two see identical data.
+`forward_padded` is the one forward pass that turns rendered conversations into training tensors;
+the online trainer (`train --online`) calls it through `capture_batch`, and the offline path
+(`run_capture`, which writes shards) calls it directly, so the two see identical data. Offline,
+each batch's states are copied to pinned host memory on a side stream and written by a writer
+thread, so the GPU computes the next batch meanwhile.
 
 Batches are right-padded: with causal attention a real token never sees the padding after it and
 its positions are unchanged, so no attention mask is needed and the states equal those of an
@@ -53,7 +55,71 @@ def _ids_and_mask(r) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.as_tensor(np.asarray(ids), dtype=torch.long), torch.as_tensor(np.asarray(mask), dtype=torch.uint8)
 
 
+@dataclass
+class Padded:
+    """One forward pass's states, still padded: aux [B, T, 3H], last [B, T, H]. When they are
+    being copied to host memory asynchronously, `event` marks the end of the copy and `keep`
+    holds the device tensors until then."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]  # per sample: (ids int64 [n], mask uint8 [n]) on CPU
+    aux: torch.Tensor
+    last: torch.Tensor
+    event: "torch.cuda.Event | None" = None
+    keep: tuple = ()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        self.event, self.keep = None, ()
+
+    def split(self, device: str | torch.device | None = None) -> list[dict[str, torch.Tensor]]:
+        self.wait()
+        aux, last = self.aux, self.last
+        if device is not None:
+            aux, last = aux.to(device), last.to(device)
+        dev = aux.device
+        return [
+            {"input_ids": i.to(dev, torch.int32), "loss_mask": m.to(dev),
+             "aux_hidden": aux[b, : len(i)], "last_hidden": last[b, : len(i)]}
+            for b, (i, m) in enumerate(self.pairs)
+        ]  # fmt: skip
+
+
 @torch.no_grad()
+def forward_padded(target, batch_of_rendered: Sequence, dtype: torch.dtype | str = torch.bfloat16, *,
+                   max_length: int | None = None) -> Padded:
+    """The one forward pass behind every capture (online and offline): right-padded ids, the
+    target's aux and final pre-norm states cast to `dtype`, left on the target's device."""
+    dtype = st.parse_dtype(dtype)
+    pairs = [_ids_and_mask(r) for r in batch_of_rendered]
+    if max_length:
+        pairs = [(i[:max_length], m[:max_length]) for i, m in pairs]
+    if not pairs:
+        raise SpecdecError("capture got an empty batch; expected at least one sample")
+    lengths = [len(i) for i, _ in pairs]
+    if min(lengths) == 0:
+        raise SpecdecError("capture got an empty sample; expected at least one token each")
+    ids = torch.zeros(len(pairs), max(lengths), dtype=torch.long)
+    for b, (i, _) in enumerate(pairs):
+        ids[b, : len(i)] = i
+    out = target.forward(ids.to(target.device), capture=True, logits_to_keep=1)
+    return Padded(pairs, out.aux_hidden.to(dtype), out.last_hidden.to(dtype))  # shapes: [B, T, 3H], [B, T, H]
+
+
+def to_host_async(p: Padded, stream: "torch.cuda.Stream") -> Padded:
+    """Start copying a batch's states into pinned host memory on `stream`, so the next forward
+    pass overlaps the device-to-host copy (a plain .cpu() stalls the GPU for the whole copy)."""
+    stream.wait_stream(torch.cuda.current_stream(p.aux.device))
+    with torch.cuda.stream(stream):
+        aux = torch.empty(p.aux.shape, dtype=p.aux.dtype, pin_memory=True)
+        last = torch.empty(p.last.shape, dtype=p.last.dtype, pin_memory=True)
+        aux.copy_(p.aux, non_blocking=True)
+        last.copy_(p.last, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return Padded(p.pairs, aux, last, event, keep=(p.aux, p.last))
+
+
 def capture_batch(
     target,
     batch_of_rendered: Sequence,
@@ -69,36 +135,9 @@ def capture_batch(
     such dicts). Samples are truncated to `max_length`. Tensors stay on the target's device
     unless `device` is given (the whole padded batch is moved once, then split).
     """
-    dtype = st.parse_dtype(dtype)
-    pairs = [_ids_and_mask(r) for r in batch_of_rendered]
-    if max_length:
-        pairs = [(i[:max_length], m[:max_length]) for i, m in pairs]
-    lengths = [len(i) for i, _ in pairs]
-    if not pairs:
+    if not batch_of_rendered:
         return []
-    if min(lengths) == 0:
-        raise SpecdecError("capture_batch got an empty sample; expected at least one token each")
-    T = max(lengths)
-    dev = target.device
-    ids = torch.zeros(len(pairs), T, dtype=torch.long)
-    for b, (i, _) in enumerate(pairs):
-        ids[b, : len(i)] = i
-    out = target.forward(ids.to(dev), capture=True, logits_to_keep=1)
-    aux = out.aux_hidden.to(dtype)  # shape: [B, T, 3H]
-    last = out.last_hidden.to(dtype)  # shape: [B, T, H]
-    if device is not None:
-        aux, last = aux.to(device), last.to(device)
-    out_dev = aux.device
-    results = []
-    for b, (i, m) in enumerate(pairs):
-        n = lengths[b]
-        results.append({
-            "input_ids": i.to(out_dev, torch.int32),
-            "loss_mask": m.to(out_dev),
-            "aux_hidden": aux[b, :n],
-            "last_hidden": last[b, :n],
-        })  # fmt: skip
-    return results
+    return forward_padded(target, batch_of_rendered, dtype, max_length=max_length).split(device)
 
 
 def capture_identity(target, dtype: torch.dtype, max_length: int | None) -> dict:
@@ -292,6 +331,7 @@ def run_capture(
     first_index = st.next_shard_index(out_dir, manifest, rank, world_size)
     meta = {"target": str(target.name), "target_fingerprint": identity["target_fingerprint"],
             "aux_layer_ids": str(identity["aux_layer_ids"])}
+    copy_stream = torch.cuda.Stream(target.device) if target.device.type == "cuda" else None
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
     pending: list[Future] = []
 
@@ -311,9 +351,11 @@ def run_capture(
                                         hidden_size=H, num_aux=len(target.aux_layer_ids), dtype=dtype,
                                         metadata=meta)
                 for batch in _batches(shard, batch_size, batch_tokens):
-                    samples = capture_batch(target, batch, dtype, device="cpu")
-                    drain(1)  # at most one batch being written while the next one computes
-                    pending.append(pool.submit(_write_all, writer, samples))
+                    padded = forward_padded(target, batch, dtype)
+                    if copy_stream is not None:
+                        padded = to_host_async(padded, copy_stream)
+                    drain(1)  # at most one batch being copied/written while the next one computes
+                    pending.append(pool.submit(_write_all, writer, padded))
                     n = sum(len(it) for it in batch)
                     summary.tokens += n
                     summary.samples += len(batch)
@@ -340,8 +382,8 @@ def run_capture(
     return summary
 
 
-def _write_all(writer: st.ShardWriter, samples: list[dict]) -> None:
-    for s in samples:
+def _write_all(writer: st.ShardWriter, padded: Padded) -> None:
+    for s in padded.split():
         writer.write(s)
 
 

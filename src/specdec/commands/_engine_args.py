@@ -1,0 +1,54 @@
+"""The flags that choose a target, a drafter and a drafting shape, shared by every command that
+runs the engine (generate, eval, serve, bench), and the one function that turns them into an
+engine."""
+
+from __future__ import annotations
+
+from ..errors import SpecdecError
+
+
+def add_engine_args(p, *, target_required: bool = True) -> None:
+    p.add_argument("--target", required=target_required, metavar="MODEL",
+                   help="registry name (smollm2-135m-instruct), local HF folder, .gguf file or hub id")
+    draft = p.add_mutually_exclusive_group()
+    draft.add_argument("--drafter", metavar="DIR", help="EAGLE-3 drafter folder (eagle3 or speculators format)")
+    draft.add_argument("--ngram", type=int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
+    p.add_argument("--k", "--num-speculative-tokens", dest="k", type=int, default=5, metavar="K",
+                   help="draft tokens per step for chain drafting (default: 5)")
+    p.add_argument("--tree-depth", type=int, metavar="D", help="draft an EAGLE-2-style tree this deep (drafter only)")
+    p.add_argument("--tree-top-k", type=int, metavar="K", help="children per expanded tree node (default: 8)")
+    p.add_argument("--tree-tokens", type=int, metavar="N", help="draft tokens per tree (default: 48)")
+    p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda if available)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on GPU, fp32 on CPU")
+
+
+def tree_config(args):
+    from ..engine.tree import TreeConfig
+
+    flags = (args.tree_depth, args.tree_top_k, args.tree_tokens)
+    if all(v is None for v in flags):
+        return None
+    if not getattr(args, "drafter", None):
+        raise SpecdecError("--tree-depth/--tree-top-k/--tree-tokens need --drafter: n-gram lookup drafts chains only")
+    for name, v in zip(("--tree-depth", "--tree-top-k", "--tree-tokens"), flags):
+        if v is not None and v < 1:
+            raise SpecdecError(f"{name} must be at least 1, got {v}")
+    return TreeConfig(depth=args.tree_depth or 6, top_k=args.tree_top_k or 8, total_tokens=args.tree_tokens or 48)
+
+
+def build_engine(args, target=None):
+    """(target, engine) from parsed flags; loads the target unless one is given."""
+    from ..engine.engine import SpeculativeEngine
+    from ..models.formats import load_drafter
+    from ..models.target import load_target
+
+    if args.k < 1:
+        raise SpecdecError(f"--k must be at least 1, got {args.k}")
+    if args.ngram is not None and args.ngram < 1:
+        raise SpecdecError(f"--ngram must be at least 1, got {args.ngram}")
+    tree = tree_config(args)
+    if target is None:
+        target = load_target(args.target, device=args.device, dtype=args.dtype)
+    drafter = load_drafter(args.drafter, target, dtype=target.dtype) if args.drafter else None
+    engine = SpeculativeEngine(target, drafter=drafter, ngram=args.ngram, k=args.k, tree=tree)
+    return target, engine

@@ -255,3 +255,26 @@ def test_kill9_after_first_shard_then_resume(tiny_dirs, tmp_path):
     assert {p.name for p in out.iterdir() if p.name.startswith(("shard-", ".shard-"))} == listed
     store = CaptureStore(out)
     assert len(store) == n and all(len(store.sample(i)["input_ids"]) > 0 for i in range(0, n, 9))
+
+
+def test_error_mid_capture_leaves_only_complete_shards(target, tmp_path, monkeypatch):
+    import specdec.capture.run as run_mod
+
+    real, calls = run_mod.forward_padded, {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(run_mod, "forward_padded", flaky)
+    out = tmp_path / "cap"
+    with pytest.raises(RuntimeError, match="simulated"):
+        capture(target, out, records(8), batch_size=1, shard_tokens=200)
+    m = json.loads((out / "manifest.json").read_text())
+    files = {p.name for p in out.iterdir() if "shard" in p.name}
+    assert files == {sh["file"] for sh in m["shards"]}  # no temp files, no unlisted shards
+    monkeypatch.setattr(run_mod, "forward_padded", real)
+    capture(target, out, records(8), batch_size=1, shard_tokens=200)
+    assert sorted(CaptureStore(out).sample_ids) == sorted(f"s{i}" for i in range(8))

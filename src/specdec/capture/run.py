@@ -340,7 +340,7 @@ def run_capture(
             pending.pop(0).result()
 
     t0 = time.perf_counter()
-    writer = None
+    writers: list[st.ShardWriter] = []
     try:
         with _progress(progress and rank == 0) as prog:
             task = prog.add_task(f"capturing{f' (rank 0 of {world_size})' if world_size > 1 else ''}",
@@ -350,6 +350,7 @@ def run_capture(
                 writer = st.ShardWriter(path, [it.id for it in shard], [len(it) for it in shard],
                                         hidden_size=H, num_aux=len(target.aux_layer_ids), dtype=dtype,
                                         metadata=meta)
+                writers.append(writer)
                 for batch in _batches(shard, batch_size, batch_tokens):
                     padded = forward_padded(target, batch, dtype)
                     if copy_stream is not None:
@@ -366,13 +367,12 @@ def run_capture(
                 summary.bytes += writer.nbytes
                 summary.shards += 1
             drain(0)
-            writer = None
     except BaseException:
         for f in pending:
             f.cancel()
         pool.shutdown(wait=True)
-        if writer is not None:
-            writer.abort()
+        for w in writers:
+            w.abort()  # unfinished shards leave no temporary files behind
         raise
     pool.shutdown(wait=True)
     if target.device.type == "cuda":

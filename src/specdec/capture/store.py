@@ -303,6 +303,7 @@ class ShardWriter:
         self._next = 0  # next sample index to write
         self._row = 0  # its first row
         self.num_loss_tokens = 0
+        self.closed = False
 
     def write(self, sample: dict[str, torch.Tensor]) -> None:
         """Write the next sample (tensors on any device; cast to the shard dtypes here)."""
@@ -330,6 +331,7 @@ class ShardWriter:
             raise ValueError(f"{self.path.name}: {self._next} of {len(self.lengths)} samples written")
         self._f.close()
         self._ctx.__exit__(None, None, None)
+        self.closed = True
         return {
             "file": self.path.name,
             "num_samples": len(self.sample_ids),
@@ -340,6 +342,10 @@ class ShardWriter:
         }
 
     def abort(self) -> None:
+        """Drop the unfinished shard (its temporary file); a no-op once closed."""
+        if self.closed:
+            return
+        self.closed = True
         with contextlib.suppress(Exception):
             self._f.close()
         with contextlib.suppress(BaseException):

@@ -246,7 +246,10 @@ def wait_for(pred, timeout=20.0, what="condition"):
 
 def test_disconnecting_stream_cancels_its_request(server, http, client):
     before = scrape(http)
-    body = {"model": MODEL, "prompt": "go", "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True}
+    # Sampling makes n-gram drafts miss, so 500 tokens take ~500 steps: seconds, not the 0.5 s a
+    # greedy loop that n-gram lookup predicts perfectly would take.
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 500, "temperature": 1.0, "seed": 1, "ignore_eos": True,
+            "stream": True}
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -271,6 +274,50 @@ def test_disconnecting_stream_cancels_its_request(server, http, client):
     r = client.completions.create(model=MODEL, prompt="next", max_tokens=5, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_disconnecting_non_streaming_client_cancels_its_request(server, http):
+    before = scrape(http)
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 500, "temperature": 1.0, "seed": 1, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(60, read=0.2))
+
+    def aborted():
+        now = scrape(http)
+        done = sample(now, "vllm:request_success_total", finished_reason="abort") - sample(
+            before, "vllm:request_success_total", finished_reason="abort")
+        return now if done == 1 and sample(now, "vllm:num_requests_running") == 0 else None
+
+    after = wait_for(aborted, what="the abort to be counted")
+    assert sample(after, "vllm:generation_tokens_total") - sample(before, "vllm:generation_tokens_total") < 500
+
+
+def test_request_cancelled_while_waiting_never_runs(server, http):
+    """FIFO: B waits behind A; B's client leaves; B is dropped without a prefill."""
+    before = scrape(http)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    a = {"model": MODEL, "prompt": "first", "max_tokens": 500, "temperature": 1.0, "seed": 1, "ignore_eos": True,
+         "stream": True}
+    b = {"model": MODEL, "prompt": "second in line", "max_tokens": 5, "temperature": 0}
+    with httpx.Client(base_url=server.url, headers=auth, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=a) as r:
+            lines = r.iter_lines()  # keep a reference: a collected iterator closes the connection
+            assert next(lines).startswith("data: ")  # A is running
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(server.url + "/v1/completions", json=b, headers=auth, timeout=httpx.Timeout(60, read=0.2))
+            assert sample(scrape(http), "vllm:num_requests_waiting") == 1  # B still queued: A holds the worker
+            time.sleep(0.3)  # B's handler polls its client every 0.1 s and marks B cancelled
+
+    def both_aborted():
+        now = scrape(http)
+        done = sample(now, "vllm:request_success_total", finished_reason="abort") - sample(
+            before, "vllm:request_success_total", finished_reason="abort")
+        return now if done == 2 and sample(now, "vllm:num_requests_waiting") == 0 else None
+
+    after = wait_for(both_aborted, what="both aborts to be counted")
+    # Only A was prefilled: B's prompt never reached the engine.
+    assert sample(after, "vllm:prompt_tokens_total") - sample(before, "vllm:prompt_tokens_total") == len("first")
 
 
 def test_concurrent_requests_are_served_fifo(server, http, client):
@@ -365,7 +412,7 @@ def test_metrics_count_exactly_what_the_engine_did(http, client, tokenizer, loca
 def test_metrics_text_shape(http):
     text = http.get("/metrics").text
     # prometheus_client >= 0.22 names the family with its _total suffix in # TYPE, older ones without.
-    assert re.search(r"^# TYPE vllm:spec_decode_num_drafts(_total)? counter$", text, re.M)
+    assert re.search(r"^# TYPE vllm:spec_decode_num_drafts(_total)? counter$", text, re.MULTILINE)
     assert 'specdec:build_info{k="5",mode="ngram",version=' in text
     for pos in range(5):  # positions 0..k-1 exist before any draft is accepted there
         assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="tiny",position="{pos}"}}' in text

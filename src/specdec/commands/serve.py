@@ -96,8 +96,8 @@ def _url_host(host: str) -> str:
 def banner(*, host: str, port: int, model: str, mode: str, k: int, max_model_len: int, api_key: bool) -> str:
     base = f"http://{_url_host(host)}:{port}"
     auth = ' -H "Authorization: Bearer $SPECDEC_API_KEY"' if api_key else ""
-    body = ('{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
-            % model.replace('"', '\\"').replace("'", "'\\''"))
+    quoted = model.replace('"', '\\"').replace("'", "'\\''")  # inside JSON inside single quotes
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}' % quoted
     drafting = mode if mode == "plain" else f"{mode}, k={k}"
     lines = [
         f"specdec serve: ready on {base}  (FIFO, one sequence at a time)",

@@ -37,8 +37,15 @@ from ..engine.api import SamplingParams
 from ..errors import SpecdecError
 from .metrics import ServerMetrics
 from .protocol import (
+    AssistantMessage,
+    ChatChoice,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
     CompletionRequest,
+    CompletionResponse,
+    ErrorInfo,
+    ErrorResponse,
     ModelCard,
     ModelList,
     Usage,
@@ -48,7 +55,7 @@ from .protocol import (
 from .scheduler import Event, Job, Scheduler
 
 MAX_BODY_BYTES = 32 << 20
-DISCONNECT_POLL_S = 0.25
+DISCONNECT_POLL_S = 0.1  # how often a waiting non-streaming request checks its client
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -63,8 +70,8 @@ class APIError(Exception):
         self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
 
     def response(self, headers: dict | None = None) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=headers)
+        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
 
 
 @dataclass(kw_only=True)
@@ -162,12 +169,10 @@ def create_app(engine, tokenizer, settings: ServeSettings) -> FastAPI:
                                      media_type="text/event-stream", headers=SSE_HEADERS,
                                      background=BackgroundTask(job.cancel))
         text, last = await _collect(job, request)
-        return {
-            "id": rid, "object": "chat.completion", "created": now(), "model": settings.served_model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": last.finish_reason, "logprobs": None}],
-            "usage": _usage(last).model_dump(),
-        }
+        return ChatCompletionResponse(
+            id=rid, created=now(), model=settings.served_model_name, usage=_usage(last),
+            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)],
+        ).model_dump()
 
     @v1.post("/completions")
     async def completions(request: Request):
@@ -184,11 +189,10 @@ def create_app(engine, tokenizer, settings: ServeSettings) -> FastAPI:
                                      media_type="text/event-stream", headers=SSE_HEADERS,
                                      background=BackgroundTask(job.cancel))
         text, last = await _collect(job, request)
-        return {
-            "id": rid, "object": "text_completion", "created": now(), "model": settings.served_model_name,
-            "choices": [{"index": 0, "text": text, "finish_reason": last.finish_reason, "logprobs": None}],
-            "usage": _usage(last).model_dump(),
-        }
+        return CompletionResponse(
+            id=rid, created=now(), model=settings.served_model_name, usage=_usage(last),
+            choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
+        ).model_dump()
 
     app.include_router(v1)
     return app
@@ -302,15 +306,20 @@ async def _collect(job: Job, request: Request) -> tuple[str, Event]:
     """Wait for a non-streaming request, cancelling it if its client goes away."""
     parts: list[str] = []
     getter = None  # one pending get() at a time, never cancelled mid-flight (no lost events)
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + DISCONNECT_POLL_S
     try:
         while True:
             if getter is None:
                 getter = asyncio.ensure_future(job.events.get())
-            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
-            if not done:
+            done, _ = await asyncio.wait({getter}, timeout=max(0.0, next_check - loop.time()))
+            # Checked on a clock, not only when idle: a generating request sends events every step.
+            if loop.time() >= next_check:
+                next_check = loop.time() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     job.cancel()
                     raise APIError(499, "client disconnected", code="client_disconnected")
+            if not done:
                 continue
             ev, getter = getter.result(), None
             parts.append(ev.text)

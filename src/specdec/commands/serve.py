@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from ._engine_args import add_engine_args
+
 DESCRIPTION = """\
 Serve a target model with speculative decoding behind an OpenAI-compatible API:
 /v1/chat/completions and /v1/completions (streaming and not), /v1/models, /health, and /metrics
@@ -46,16 +48,7 @@ def register(subparsers) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--target", required=True, metavar="MODEL",
-                   help="registry name (specdec models list), local HF folder, .gguf file or hub id")
-    draft = p.add_mutually_exclusive_group()
-    draft.add_argument("--drafter", metavar="DIR", help="EAGLE-3 drafter folder (eagle3 or speculators format)")
-    draft.add_argument("--ngram", type=int, metavar="N", help="prompt-lookup drafting with n-grams up to N")
-    p.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
-                   help="draft tokens per step for a chain (default: 5)")
-    p.add_argument("--tree-depth", type=int, metavar="D", help="draft a tree this deep (EAGLE-3 drafter only)")
-    p.add_argument("--tree-top-k", type=int, metavar="K", help="children expanded per tree node (default: 8)")
-    p.add_argument("--tree-tokens", type=int, metavar="N", help="draft tokens per tree (default: 48)")
+    add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any free port)")
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"), metavar="KEY",
@@ -64,8 +57,6 @@ def register(subparsers) -> None:
                    help="model name clients send and /metrics labels carry (default: the target's name)")
     p.add_argument("--max-model-len", type=int, metavar="TOKENS",
                    help="context limit for prompt + completion (default: the target's max_position_embeddings)")
-    p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.set_defaults(func=run)
 
@@ -117,14 +108,11 @@ def run(args) -> int:
 
     from specdec.errors import SpecdecError
 
-    tree_flags = (args.tree_depth, args.tree_top_k, args.tree_tokens)
-    if any(v is not None for v in tree_flags) and not args.drafter:
-        raise SpecdecError("--tree-depth/--tree-top-k/--tree-tokens need --drafter: n-gram lookup drafts chains only")
-    for flag, v in (("--num-speculative-tokens", args.num_speculative_tokens), ("--ngram", args.ngram),
-                    ("--tree-depth", args.tree_depth), ("--tree-top-k", args.tree_top_k),
-                    ("--tree-tokens", args.tree_tokens), ("--max-model-len", args.max_model_len)):
-        if v is not None and v < 1:
-            raise SpecdecError(f"{flag} must be at least 1, got {v}")
+    from ._engine_args import build_engine, tree_config
+
+    tree = tree_config(args)  # flag errors before the port check and the model load
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise SpecdecError(f"--max-model-len must be at least 1, got {args.max_model_len}")
     if not 0 <= args.port <= 65535:
         raise SpecdecError(f"--port must be 0..65535, got {args.port}")
     _check_port_free(args.host, args.port)  # fail before a model load that may take minutes
@@ -132,24 +120,11 @@ def run(args) -> int:
     import uvicorn
 
     from specdec.engine.api import SamplingParams
-    from specdec.engine.engine import SpeculativeEngine
-    from specdec.engine.tree import TreeConfig
-    from specdec.models.formats import load_drafter
-    from specdec.models.target import load_target
     from specdec.server.app import ServeSettings, create_app
 
-    print(f"specdec serve: loading target {args.target}", file=sys.stderr, flush=True)
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
-    drafter = None
-    if args.drafter:
-        print(f"specdec serve: loading drafter {args.drafter}", file=sys.stderr, flush=True)
-        drafter = load_drafter(args.drafter, target, dtype=target.dtype)
-    tree = None
-    if any(v is not None for v in tree_flags):
-        defaults = TreeConfig()
-        tree = TreeConfig(depth=args.tree_depth or defaults.depth, top_k=args.tree_top_k or defaults.top_k,
-                          total_tokens=args.tree_tokens or defaults.total_tokens)
-    engine = SpeculativeEngine(target, drafter=drafter, ngram=args.ngram, k=args.num_speculative_tokens, tree=tree)
+    print(f"specdec serve: loading {args.target}" + (f" + drafter {args.drafter}" if args.drafter else ""),
+          file=sys.stderr, flush=True)
+    target, engine = build_engine(args)
     max_len = args.max_model_len or engine.max_len
     if max_len > engine.max_len:
         raise SpecdecError(
@@ -165,7 +140,7 @@ def run(args) -> int:
     name = args.served_model_name or target.name
     settings = ServeSettings(served_model_name=name, max_model_len=max_len, api_key=args.api_key or None)
     app = create_app(engine, target.tokenizer, settings)
-    shown_k = tree.depth if tree is not None else args.num_speculative_tokens
+    shown_k = tree.depth if tree is not None else args.k
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None):

@@ -212,6 +212,13 @@ def test_bad_input_gets_openai_error(http, what, path, body, status, param):
         assert err["code"] == "context_length_exceeded"
 
 
+def test_oversized_body_is_413(http):
+    big = b'{"model": "tiny", "prompt": "' + b"x" * (33 << 20) + b'"}'
+    r = http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
 def test_api_key_is_required_on_v1_only(server):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):

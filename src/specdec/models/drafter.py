@@ -264,22 +264,26 @@ def ttt_attention(q, k0, v0, extra_k: list, extra_v: list, pad_mask: torch.Tenso
 
     Query t of step s sees the step-0 keys <= t (causal) plus, for each later step j <= s, the
     key that step j computed at the same position t: exactly what inference sees when the
-    drafter extends its own draft. `pad_mask` is bool [B, T] (True = real token).
+    drafter extends its own draft. `pad_mask` is bool [B, T] (True = real token). Grouped
+    query heads are broadcast, never copied.
     """
     b, nh, t, hd = q.shape
-    rep = nh // k0.shape[1]
-    if rep > 1:
-        k0, v0 = k0.repeat_interleave(rep, 1), v0.repeat_interleave(rep, 1)
-        extra_k = [k.repeat_interleave(rep, 1) for k in extra_k]
-        extra_v = [v.repeat_interleave(rep, 1) for v in extra_v]
+    kvh = k0.shape[1]
+    rep = nh // kvh
+    qg = q.view(b, kvh, rep, t, hd)  # shape: [B, kvh, rep, T, hd]
     scale = 1.0 / math.sqrt(hd)
-    scores = (q @ k0.transpose(-1, -2)) * scale  # shape: [B, nh, T, T]
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    allowed = causal if pad_mask is None else causal & pad_mask[:, None, None, :]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    diag = [((q * k).sum(-1) * scale).unsqueeze(-1) for k in extra_k]  # each: [B, nh, T, 1]
-    probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-    out = probs[..., :t] @ v0  # shape: [B, nh, T, hd]
-    for j, v in enumerate(extra_v):
-        out = out + probs[..., t + j : t + j + 1] * v
-    return out
+    scores = (qg * scale) @ k0.unsqueeze(2).transpose(-1, -2)  # shape: [B, kvh, rep, T, T]
+    causal = torch.full((t, t), float("-inf"), device=q.device, dtype=scores.dtype).triu(1)
+    scores = scores + causal
+    if pad_mask is not None:
+        scores = scores.masked_fill(~pad_mask[:, None, None, None, :], float("-inf"))
+    if extra_k:
+        ek = torch.stack(extra_k, -2).unsqueeze(2)  # shape: [B, kvh, 1, T, s, hd]
+        diag = (qg.unsqueeze(-2) * scale * ek).sum(-1)  # shape: [B, kvh, rep, T, s]
+        probs = torch.softmax(torch.cat([scores, diag], -1), -1)
+        out = probs[..., :t] @ v0.unsqueeze(2)  # shape: [B, kvh, rep, T, hd]
+        ev = torch.stack(extra_v, -2).unsqueeze(2)  # shape: [B, kvh, 1, T, s, hd]
+        out = out + (probs[..., t:].unsqueeze(-1) * ev).sum(-2)
+    else:
+        out = torch.softmax(scores, -1) @ v0.unsqueeze(2)
+    return out.reshape(b, nh, t, hd)

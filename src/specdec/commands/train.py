@@ -1,0 +1,116 @@
+"""`specdec train`: train an EAGLE-3 drafter with training-time test."""
+
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = """\
+Train an EAGLE-3 drafter on a capture directory (offline) or straight from regenerated
+conversations (--online: the target runs inside the loop, nothing goes to disk). Training-time
+test unrolls --ttt-steps drafting steps with loss weights decay**step. The draft vocabulary is the
+--draft-vocab-size most frequent assistant tokens (d2t/t2d); --init fine-tunes an existing
+drafter and keeps its vocab mapping unless --rebuild-vocab. Every --eval-every steps it prints the
+per-position accuracy and a simulated acceptance length on a held-out split (also to
+TensorBoard under OUT/tensorboard). Checkpoints go to OUT/checkpoints; --resume continues exactly,
+also after kill -9 or with another number of processes. The result is OUT/drafter (eagle3 format).
+
+examples:
+  specdec train --target tiny-llama --data /tmp/cap -o /tmp/run --epochs 2 --draft-vocab-size 200
+  specdec train --target smollm2-135m-instruct --data runs/smol/capture -o runs/smol/train
+  specdec train --target smollm2-135m-instruct --online --data runs/smol/regen.jsonl -o runs/smol/train
+  specdec train ... --resume                          # after a crash or kill -9
+  specdec train ... --init yuhuili-style-drafter/     # fine-tune, vocab mapping kept
+  torchrun --nproc-per-node 2 -m specdec train --target T --data CAP -o OUT   # DDP (gloo on CPU)
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train an EAGLE-3 drafter (TTT, resumable, DDP)",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, metavar="T", help="registry name, HF folder or .gguf")
+    p.add_argument("--data", required=True, metavar="PATH",
+                   help="capture directory, or with --online a regenerate JSONL / prompt source")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="run directory")
+    p.add_argument("--online", action="store_true", help="compute hidden states on the fly (no disk)")
+    p.add_argument("--epochs", type=float, default=10.0)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
+    p.add_argument("--warmup", type=float, default=0.05, help="warmup fraction of all steps (default: 0.05)")
+    p.add_argument("--grad-clip", type=float, default=0.5)
+    p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per optimizer step (default: 8192)")
+    p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll (default: 7)")
+    p.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight decay per step (default: 0.8)")
+    p.add_argument("--draft-vocab-size", type=int, default=32000)
+    p.add_argument("--init", metavar="DIR", help="start from this drafter (its vocab mapping is kept)")
+    p.add_argument("--rebuild-vocab", action="store_true", help="with --init: rebuild d2t from this data")
+    p.add_argument("--norm-before-residual", action="store_true", help="residual = normed fc output (vLLM flag)")
+    p.add_argument("--eval-percent", type=float, default=5.0, help="held-out share of samples (default: 5)")
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in DIR")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-length", type=int, default=2048, help="--online: truncate samples (default: 2048)")
+    p.add_argument("--limit", type=int, help="--online: only the first N conversations")
+    p.add_argument("--device", help="cuda or cpu (default: cuda if available; torchrun: cuda:LOCAL_RANK)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
+    p.set_defaults(func=run)
+
+
+def load_source(args, target):
+    """The sample source for `args`: a capture directory, or conversations captured online."""
+    from ..capture.store import CaptureStore
+    from ..errors import SpecdecError
+    from ..train.data import OfflineSource, OnlineSource
+
+    if not args.online:
+        store = CaptureStore(args.data)
+        bad = store.mismatch_with(target)
+        if bad:
+            raise SpecdecError(f"capture {args.data} was made with another target setup ({'; '.join(bad)}); "
+                               f"capture again with this target or pass the right --target")
+        return OfflineSource(store)
+    from ..capture.run import load_records
+    from ..data.chat import render
+
+    records = load_records(args.data)[: args.limit]
+    rendered, ids = [], []
+    for r in records:
+        rd = render(target.tokenizer, r["messages"])
+        if sum(rd.loss_mask) and len(rd.input_ids) > 2:
+            rendered.append(rd)
+            ids.append(str(r["id"]))
+    if not rendered:
+        raise SpecdecError(f"no conversation in {args.data} has an assistant turn to learn from")
+    import torch
+
+    return OnlineSource(target, rendered, ids, torch.bfloat16 if target.device.type == "cuda" else torch.float32,
+                        args.max_length)
+
+
+def run(args) -> int:
+    import json
+    import os
+
+    from ..models.target import load_target
+    from ..train.loop import TrainConfig, train
+
+    device = args.device
+    if device is None and "LOCAL_RANK" in os.environ:
+        import torch
+
+        device = f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu"
+    target = load_target(args.target, device=device)
+    source = load_source(args, target)
+    cfg = TrainConfig(out=args.output, epochs=args.epochs, lr=args.lr, warmup=args.warmup, grad_clip=args.grad_clip,
+                      batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, ttt_decay=args.ttt_decay,
+                      draft_vocab_size=args.draft_vocab_size, eval_percent=args.eval_percent,
+                      eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
+                      max_steps=args.max_steps, rebuild_vocab=args.rebuild_vocab,
+                      norm_before_residual=args.norm_before_residual)
+    summary = train(target, source, cfg, init=args.init, resume=args.resume, target_name=str(args.target))
+    if int(os.environ.get("RANK", 0)) == 0:
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            print(f"drafter: {os.path.join(args.output, 'drafter')}")
+    return 0

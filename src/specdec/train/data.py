@@ -1,0 +1,94 @@
+"""Where training samples come from: a capture directory (offline), or regenerated
+conversations run through the target on the fly (online, no disk). Both yield the same dicts
+(input_ids, loss_mask, aux_hidden, last_hidden), made by the same capture code.
+
+Batches are built globally (independent of the number of processes) and each process takes
+every world_size-th sample of a batch, so `--resume` stays exact across a change of world size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+def is_heldout(sample_id: str, percent: float) -> bool:
+    h = int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16)
+    return (h % 10_000) < percent * 100
+
+
+@dataclass
+class Source:
+    ids: list[str]
+    lengths: list[int]
+
+    def get(self, indices: list[int]) -> list[dict]:
+        raise NotImplementedError
+
+    def token_samples(self):
+        """input_ids + loss_mask of every sample, for vocab counting."""
+        raise NotImplementedError
+
+
+class OfflineSource(Source):
+    def __init__(self, store):
+        self.store = store
+        lengths = []
+        for si in range(len(store.shards)):
+            store._open(si)  # reads only the offsets tensor
+            off = store._offsets[si]
+            lengths += [b - a for a, b in zip(off[:-1], off[1:])]
+        super().__init__(list(store.sample_ids), lengths)
+
+    def get(self, indices):
+        return [self.store.sample(i) for i in indices]
+
+    def token_samples(self):
+        for i in range(len(self.store)):
+            s = self.store.sample(i)
+            yield {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"]}
+
+
+class OnlineSource(Source):
+    def __init__(self, target, rendered: list, ids: list[str], dtype, max_length: int | None):
+        from ..capture.run import capture_batch
+
+        self._capture = capture_batch
+        self.target, self.rendered, self.dtype, self.max_length = target, rendered, dtype, max_length
+        lengths = [min(len(r.input_ids), max_length or 1 << 30) for r in rendered]
+        super().__init__(ids, lengths)
+
+    def get(self, indices):
+        if not indices:
+            return []
+        return self._capture(self.target, [self.rendered[i] for i in indices], self.dtype,
+                             max_length=self.max_length, device="cpu")
+
+    def token_samples(self):
+        for r in self.rendered:
+            yield {"input_ids": torch.tensor(r.input_ids), "loss_mask": torch.tensor(r.loss_mask)}
+
+
+def global_batches(indices: list[int], lengths: list[int], batch_tokens: int, *, seed: int, epoch: int,
+                   max_batch: int = 64) -> list[list[int]]:
+    """Shuffle, then group neighbours of similar length into batches of <= batch_tokens padded
+    tokens. Deterministic in (seed, epoch), independent of world size."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = [indices[i] for i in torch.randperm(len(indices), generator=g).tolist()]
+    # Sort within windows of 64 to cut padding while keeping the shuffle.
+    window = 64
+    order = [i for w in range(0, len(order), window) for i in sorted(order[w : w + window], key=lambda i: lengths[i])]
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        m = max(cur_max, lengths[i])
+        if cur and (m * (len(cur) + 1) > batch_tokens or len(cur) >= max_batch):
+            batches.append(cur)
+            cur, m = [], lengths[i]
+        cur.append(i)
+        cur_max = m
+    if cur:
+        batches.append(cur)
+    perm = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[p] for p in perm]

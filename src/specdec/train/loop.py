@@ -1,0 +1,310 @@
+"""`specdec train`: the EAGLE-3 drafter training loop.
+
+AdamW with linear warmup and cosine decay, gradient clipping, bf16 autocast on GPU, checkpoints
+written atomically (a folder renamed into place) with exact `--resume`, and every eval interval
+the per-position accuracy and a simulated acceptance length on a held-out split, printed and
+sent to TensorBoard. Under torchrun the drafter is wrapped in DDP (gloo on CPU, NCCL on GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..atomic import write_json
+from ..errors import SpecdecError
+from ..models.drafter import DrafterConfig, Eagle3Drafter
+from .data import global_batches, is_heldout
+from .ttt import Batch, TargetHead, ttt_loss
+from .vocab import build_draft_vocab, count_tokens, coverage
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    out: str
+    epochs: float = 10.0
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup: float = 0.05  # fraction of total steps
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 0.5
+    batch_tokens: int = 8192
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    draft_vocab_size: int = 32000
+    eval_percent: float = 5.0
+    eval_every: int = 100
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    seed: int = 0
+    max_steps: int | None = None
+    rebuild_vocab: bool = False
+    norm_before_residual: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class DrafterTTT(nn.Module):
+    """The drafter plus its TTT loss as one module, so DDP sees a plain forward."""
+
+    def __init__(self, drafter: Eagle3Drafter, head: TargetHead, steps: int, decay: float):
+        super().__init__()
+        self.drafter = drafter
+        self.head = head  # not a parameter or buffer: frozen, never synchronised
+        self.steps, self.decay = steps, decay
+
+    def forward(self, input_ids, loss_mask, aux_hidden, last_hidden, valid):
+        out = ttt_loss(self.drafter, Batch(input_ids, loss_mask, aux_hidden, last_hidden, valid),
+                       self.head, steps=self.steps, decay=self.decay)
+        return out.loss, out.correct, out.step_correct, out.counted
+
+
+def dist_env() -> tuple[int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def log(msg: str) -> None:
+    if dist_env()[0] == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_drafter(target, source, cfg: TrainConfig, init: str | None) -> tuple[Eagle3Drafter, dict]:
+    """A new drafter sized for the target with a vocab from the data, or `--init` fine-tuning."""
+    from ..models.formats import load_drafter
+
+    info = {}
+    masked, every = count_tokens(source.token_samples(), target.vocab_size)
+    if init:
+        drafter = load_drafter(init, target, dtype=torch.float32, device="cpu")
+        if cfg.rebuild_vocab:
+            ids = build_draft_vocab(masked, drafter.cfg.draft_vocab_size, every, target.eos_token_ids)
+            drafter.set_vocab_mapping(ids)
+            info["vocab"] = "rebuilt from data (--rebuild-vocab): lm_head rows re-learn from scratch"
+        else:
+            info["vocab"] = f"kept from {init} (d2t unchanged)"
+    else:
+        dcfg = DrafterConfig.for_target(target.config, draft_vocab_size=cfg.draft_vocab_size,
+                                        aux_layer_ids=target.aux_layer_ids,
+                                        norm_before_residual=cfg.norm_before_residual)
+        torch.manual_seed(cfg.seed)
+        drafter = Eagle3Drafter(dcfg)
+        with torch.no_grad():
+            drafter.embed_tokens.weight.copy_(target.embed_tokens().weight.float().cpu())
+            ids = build_draft_vocab(masked, dcfg.draft_vocab_size, every, target.eos_token_ids)
+            drafter.set_vocab_mapping(ids)
+            # Start the output head where the target's is: same final norm, same rows.
+            drafter.lm_head.weight.copy_(target.lm_head().weight[ids.to(target.device)].float().cpu())
+            norm = target.final_norm()
+            if norm is not None and norm.weight.shape == drafter.norm.weight.shape:
+                drafter.norm.weight.copy_(norm.weight.float().cpu())
+        info["vocab"] = f"built from {int(masked.sum())} assistant tokens"
+    info["vocab_coverage"] = coverage(masked, drafter.draft_to_target.cpu())
+    return drafter, info
+
+
+def _latest_checkpoint(out: Path) -> Path | None:
+    ck = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    ck = [c for c in ck if (c / "state.json").exists()]
+    return ck[-1] if ck else None
+
+
+def save_checkpoint(out: Path, step: int, model: Eagle3Drafter, opt, sched, state: dict, keep: int) -> Path:
+    from safetensors.torch import save_file
+
+    final = out / "checkpoints" / f"step-{step}"
+    tmp = out / "checkpoints" / f".step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / "drafter.safetensors"))
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "optimizer.pt")
+    write_json(tmp / "drafter_config.json", model.cfg.to_dict())
+    write_json(tmp / "state.json", state)  # last: its presence marks a complete checkpoint
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    old = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]
+    for o in old:
+        shutil.rmtree(o, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model: Eagle3Drafter, opt, sched) -> dict:
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(str(path / "drafter.safetensors")))
+    # Our own file, still read without unpickling arbitrary objects.
+    st = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    opt.load_state_dict(st["optimizer"])
+    sched.load_state_dict(st["scheduler"])
+    return json.loads((path / "state.json").read_text())
+
+
+def _to(samples, device, dtype):
+    b = Batch.collate(samples, device)
+    return b.input_ids, b.loss_mask, b.aux_hidden.to(dtype), b.last_hidden, b.valid
+
+
+@torch.no_grad()
+def evaluate_heldout(module: DrafterTTT, source, indices, batch_tokens, device, dtype, autocast) -> dict:
+    module.eval()
+    correct = step_correct = None
+    counted = 0.0
+    for batch in global_batches(indices, source.lengths, batch_tokens, seed=0, epoch=0):
+        with autocast():
+            _, c, sc, n = module(*_to(source.get(batch), device, dtype))
+        correct = c if correct is None else correct + c
+        step_correct = sc if step_correct is None else step_correct + sc
+        counted += float(n)
+    module.train()
+    if not counted:
+        return {}
+    chain = (correct / counted).tolist()  # P(steps 0..s all right)
+    return {
+        "eval_positions": int(counted),
+        "per_position_accuracy": [round(x, 4) for x in (step_correct / counted).tolist()],
+        "chain_acceptance": [round(x, 4) for x in chain],
+        "simulated_acceptance_length": 1 + sum(chain),
+        "simulated_acceptance_length_k5": 1 + sum(chain[:5]),
+    }
+
+
+def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: bool = False,
+          target_name: str = "target", progress: bool = True) -> dict:
+    rank, world = dist_env()
+    cuda = torch.cuda.is_available() and target.device.type == "cuda"
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    heldout = [i for i, sid in enumerate(source.ids) if is_heldout(sid, cfg.eval_percent)]
+    if not heldout and len(source.ids) > 1 and cfg.eval_percent > 0:
+        heldout = [len(source.ids) - 1]
+    held = set(heldout)
+    train_idx = [i for i in range(len(source.ids)) if i not in held]
+    if not train_idx:
+        raise SpecdecError(f"no training samples: {len(source.ids)} samples, all held out; add data or lower --eval-percent")
+    ckpt = _latest_checkpoint(out) if resume else None
+    drafter, info = make_drafter(target, source, cfg, None if ckpt else init)
+    if ckpt:
+        saved = DrafterConfig(**json.loads((ckpt / "drafter_config.json").read_text()))
+        drafter = Eagle3Drafter(saved)
+    drafter.to(device)
+    head = TargetHead.from_target(target).to(device)
+    module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay).to(device)
+    wrapped = module
+    if world > 1:
+        wrapped = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    per_epoch = len(global_batches(train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed, epoch=0))
+    total = max(1, int(math.ceil(cfg.epochs * per_epoch)))
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps)
+    warmup = int(cfg.warmup * total)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, warmup, cfg.min_lr_ratio))
+    step = 0
+    history: list[dict] = []
+    if ckpt:
+        state = load_checkpoint(ckpt, drafter, opt, sched)
+        step, history = state["step"], state.get("history", [])
+        info["resumed_from"] = str(ckpt)
+        log(f"specdec train: resuming from {ckpt} (step {step}/{total})")
+    dtype = torch.bfloat16 if cuda else torch.float32
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+
+    tb = None
+    if rank == 0:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            tb = SummaryWriter(str(out / "tensorboard"))
+        except Exception:  # tensorboard is optional at run time
+            tb = None
+    log(f"specdec train: {len(train_idx)} train / {len(heldout)} held-out samples, {per_epoch} batches/epoch, "
+        f"{total} steps, world size {world}, draft vocab {drafter.cfg.draft_vocab_size} "
+        f"(covers {info['vocab_coverage']:.1%} of assistant tokens; {info['vocab']})")
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), disable=not progress or rank != 0,
+                   transient=False)
+    task = bar.add_task("train", total=total, completed=step, stats="")
+    tokens_seen, t0 = 0, time.perf_counter()
+    last_eval: dict = history[-1] if history else {}
+    with bar:
+        while step < total:
+            epoch, pos = divmod(step, per_epoch)
+            batches = global_batches(train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed, epoch=epoch)
+            for gb in batches[pos:]:
+                if step >= total:
+                    break
+                mine = gb[rank::world] or gb[:1]
+                samples = source.get(mine)
+                with autocast():
+                    loss, correct, _, counted = wrapped(*_to(samples, device, dtype))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                opt.step()
+                sched.step()
+                step += 1
+                tokens_seen += sum(len(s["input_ids"]) for s in samples) * world
+                rate = tokens_seen / max(1e-9, time.perf_counter() - t0)
+                acc0 = float(correct[0] / counted) if counted else 0.0
+                bar.update(task, advance=1, stats=f"loss {loss.item():.3f} acc0 {acc0:.2f} {rate:,.0f} tok/s")
+                if tb is not None:
+                    tb.add_scalar("train/loss", loss.item(), step)
+                    tb.add_scalar("train/lr", sched.get_last_lr()[0], step)
+                    tb.add_scalar("train/grad_norm", float(gnorm), step)
+                    tb.add_scalar("train/tokens_per_s", rate, step)
+                if heldout and (step % cfg.eval_every == 0 or step == total):
+                    last_eval = {"step": step, **evaluate_heldout(module, source, heldout, cfg.batch_tokens, device, dtype, autocast)}
+                    history.append(last_eval)
+                    if rank == 0:
+                        bar.console.print(
+                            f"[eval step {step}] simulated acceptance length {last_eval.get('simulated_acceptance_length', 0):.2f} "
+                            f"(k=5: {last_eval.get('simulated_acceptance_length_k5', 0):.2f}), per-position accuracy "
+                            f"{last_eval.get('per_position_accuracy')}")
+                        if tb is not None:
+                            tb.add_scalar("eval/simulated_acceptance_length", last_eval.get("simulated_acceptance_length", 0), step)
+                            for i, a in enumerate(last_eval.get("per_position_accuracy", [])):
+                                tb.add_scalar(f"eval/accuracy_pos{i}", a, step)
+                if rank == 0 and (step % cfg.save_every == 0 or step == total):
+                    save_checkpoint(out, step, drafter, opt, sched,
+                                    {"step": step, "total": total, "history": history, "config": asdict(cfg)},
+                                    cfg.keep_checkpoints)
+    if world > 1:
+        dist.barrier()
+    summary = {"steps": step, "tokens_per_s": tokens_seen / max(1e-9, time.perf_counter() - t0),
+               "eval": last_eval, **info}
+    if rank == 0:
+        from ..models.formats import save_drafter
+
+        save_drafter(drafter, out / "drafter", "eagle3", target_name=target_name, dtype=torch.float32)
+        write_json(out / "train_summary.json", summary)
+        if tb is not None:
+            tb.close()
+    return summary

@@ -1,0 +1,154 @@
+"""Training-time test: unroll the drafter N steps over a batch of captured sequences.
+
+Index t of step s reads the token at t+1+s (teacher forcing) and, for s > 0, the drafter's own
+hidden output of step s-1 at t; it sits at position t+s and predicts the token at t+2+s, whose
+target distribution is the target model's next-token distribution from last_hidden[t+1+s],
+restricted to the draft vocab. Positions where the target's argmax falls outside the draft vocab
+carry no loss. Step s is weighted by decay**s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..models.drafter import Eagle3Drafter, ttt_attention
+
+
+@dataclass
+class TargetHead:
+    """The target's final norm and lm_head: turns captured last_hidden into target logits."""
+
+    norm_weight: torch.Tensor  # [H]
+    norm_eps: float
+    lm_head: torch.Tensor  # [V, H]
+
+    @classmethod
+    def from_target(cls, target) -> "TargetHead":
+        norm = target.final_norm()
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        return cls(norm.weight.detach().float().cpu(), float(eps), target.lm_head().weight.detach().float().cpu())
+
+    def to(self, device) -> "TargetHead":
+        return TargetHead(self.norm_weight.to(device), self.norm_eps, self.lm_head.to(device))
+
+    def normed(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        x = last_hidden.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        return x * self.norm_weight
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, L] int64
+    loss_mask: torch.Tensor  # [B, L] bool
+    aux_hidden: torch.Tensor  # [B, L, 3*tH]
+    last_hidden: torch.Tensor  # [B, L, H]
+    valid: torch.Tensor  # [B, L] bool, real (non-pad) tokens
+
+    @classmethod
+    def collate(cls, samples: list[dict], device) -> "Batch":
+        L = max(len(s["input_ids"]) for s in samples)
+        B = len(samples)
+        d_aux = samples[0]["aux_hidden"].shape[-1]
+        d_last = samples[0]["last_hidden"].shape[-1]
+        dt = samples[0]["aux_hidden"].dtype
+        ids = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.bool)
+        valid = torch.zeros(B, L, dtype=torch.bool)
+        aux = torch.zeros(B, L, d_aux, dtype=dt)
+        last = torch.zeros(B, L, d_last, dtype=dt)
+        for b, s in enumerate(samples):
+            n = len(s["input_ids"])
+            ids[b, :n] = torch.as_tensor(s["input_ids"]).long()
+            mask[b, :n] = torch.as_tensor(s["loss_mask"]).bool()
+            valid[b, :n] = True
+            aux[b, :n] = s["aux_hidden"]
+            last[b, :n] = s["last_hidden"]
+        return cls(ids.to(device), mask.to(device), aux.to(device), last.to(device), valid.to(device))
+
+
+@torch.no_grad()
+def target_distribution(head: TargetHead, last_hidden: torch.Tensor, draft_ids: torch.Tensor,
+                        t2d: torch.Tensor, chunk: int = 1024):
+    """(log-probs over the draft vocab [B, L, Vd], target argmax is in the draft vocab [B, L])."""
+    normed = head.normed(last_hidden)  # shape: [B, L, H]
+    draft_logits = normed @ head.lm_head[draft_ids].T  # shape: [B, L, Vd]
+    flat = normed.reshape(-1, normed.shape[-1])
+    in_vocab = torch.empty(flat.shape[0], dtype=torch.bool, device=flat.device)
+    for i in range(0, flat.shape[0], chunk):  # full-vocab argmax without a [B*L, V] matrix
+        in_vocab[i : i + chunk] = t2d[(flat[i : i + chunk] @ head.lm_head.T).argmax(-1)]
+    return F.log_softmax(draft_logits, -1), in_vocab.view(last_hidden.shape[:2])
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor
+    correct: torch.Tensor  # [steps] count of positions whose steps 0..s were all right
+    step_correct: torch.Tensor  # [steps] count right at step s (teacher-forced)
+    counted: torch.Tensor  # [] positions scored (step 0)
+
+
+def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: int = 7,
+             decay: float = 0.8) -> TTTOutput:
+    """The TTT loss with the per-step accuracies used for the simulated acceptance length."""
+    raw = drafter.module if hasattr(drafter, "module") else drafter
+    B, L = batch.input_ids.shape
+    dev = batch.input_ids.device
+    draft_ids = raw.draft_to_target
+    logp_target, in_vocab = target_distribution(head, batch.last_hidden, draft_ids, raw.t2d)
+    # Positions j = t + 2 + s whose token is an assistant token the draft vocab can express.
+    scored = batch.loss_mask & in_vocab.roll(1, dims=1) & batch.valid
+    layer = raw.midlayer
+    attn = layer.self_attn
+    hidden = raw.project_aux(batch.aux_hidden.to(raw.fc.weight.dtype))  # shape: [B, L, H]
+    positions = torch.arange(L, device=dev)[None].expand(B, L)
+    k0 = v0 = None
+    extra_k, extra_v = [], []
+    loss = torch.zeros((), device=dev)
+    correct, step_correct = [], []
+    counted = torch.zeros((), device=dev)
+    for s in range(steps):
+        n = L - 2 - s  # indices t with a target at t + 2 + s
+        if n <= 0:
+            correct.append(torch.zeros((), device=dev))
+            step_correct.append(torch.zeros((), device=dev))
+            continue
+        ids = torch.zeros_like(batch.input_ids)
+        ids[:, : L - 1 - s] = batch.input_ids[:, 1 + s :]  # token at t+1+s; shape: [B, L]
+        embeds = raw.embed_tokens(ids).to(hidden.dtype)
+        x, residual = layer.attn_input(embeds, hidden)
+        cos, sin = raw.rotary_emb(x, positions + s)
+        q, k, v = attn.project(x, cos, sin)  # shapes: [B, nh, L, hd], [B, kvh, L, hd] x2
+        if s == 0:
+            k0, v0 = k, v
+        else:
+            extra_k.append(k)
+            extra_v.append(v)
+        o = ttt_attention(q, k0, v0, extra_k, extra_v)  # shape: [B, nh, L, hd]
+        o = attn.o_proj(o.transpose(1, 2).reshape(B, L, -1))
+        h = layer.finish(o, residual)
+        hidden, logits = raw.head(h)  # shapes: [B, L, H], [B, L, Vd]
+        tgt = torch.zeros_like(logp_target)
+        tgt[:, :n] = logp_target[:, 1 + s : 1 + s + n]  # from last_hidden[t+1+s]
+        m = torch.zeros_like(scored)
+        m[:, :n] = scored[:, 2 + s : 2 + s + n]
+        w = m.float()
+        denom = w.sum().clamp(min=1.0)
+        logp = F.log_softmax(logits.float(), -1)
+        ce = -(tgt.exp() * logp).sum(-1)  # soft cross-entropy, shape: [B, L]
+        loss = loss + (decay**s) * (ce * w).sum() / denom
+        with torch.no_grad():
+            right = (logits.argmax(-1) == tgt.argmax(-1)) & m
+            if s == 0:
+                counted = w.sum()
+                base = m.clone()
+                alive = right.clone()
+            else:
+                # Chain acceptance as a greedy target would give it: every step <= s right.
+                alive = alive & right
+            correct.append((alive & base).sum().float())
+            step_correct.append(right.sum().float())
+    return TTTOutput(loss, torch.stack(correct), torch.stack(step_correct), counted)

@@ -39,4 +39,11 @@ case "$1" in
     timeout 420 python3 benchmarks/smollm2.py $WEIGHTS --budget-s 300 --limit 5 --max-new-tokens 256 \
       --out "$OUT" --plan "hf;cd:1,8,32;e2e;bench;fp32" 2>&1 | tee "$OUT/smollm2.log"
     ;;
+  3)
+    # After call 1: cuBLAS GEMV (nocd) was the fastest one-token step, so time every bucket
+    # under it; logits vs HF sdpa and eager attention; agreement on sharpened random weights.
+    timeout 220 python3 benchmarks/roofline_8b.py --budget-s 160 --tag roofline_8b_nocd --out "$OUT" \
+      --plan "nocd:1,8,2,4,16;check;check_eager" 2>&1 | tee "$OUT/roofline_8b_nocd.log"
+    timeout 240 python3 benchmarks/agreement.py --out "$OUT" 2>&1 | tee "$OUT/agreement.log"
+    ;;
 esac

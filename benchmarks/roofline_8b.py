@@ -54,6 +54,7 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=1024, help="static cache length (attention reads all of it)")
     ap.add_argument("--plan", default="graph:1,8;cd:1;check;hf;cd:8,16,2,4;nocd:1;autotune:8",
                     help="steps in order: VARIANT:T,T,...  |  check (logits vs HF)  |  hf (HF eager ms/token)")
+    ap.add_argument("--tag", default="roofline_8b", help="name of the JSON file written under --out")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny random llama")
     args = ap.parse_args()
     if args.tiny:
@@ -67,7 +68,7 @@ def main() -> int:
 
     def save():
         res["elapsed_s"] = time.time() - t_start
-        (out / "roofline_8b.json").write_text(json.dumps(res, indent=2) + "\n")
+        (out / f"{args.tag}.json").write_text(json.dumps(res, indent=2) + "\n")
 
     bw = copy_bandwidth(64 << 20 if args.tiny else 2 << 30)
     res["copy_bandwidth_TBps"] = bw / 1e12
@@ -102,9 +103,17 @@ def main() -> int:
             if name == "hf":
                 res["hf_eager_ms"] = hf_decode_ms(model, prompt_len=args.ctx, steps=12)
                 print(f"HF eager {res['hf_eager_ms']:.2f} ms/token", flush=True)
-            elif name == "check":
-                res["check"] = check_against_hf(model, dec)
-                print("check", res["check"], flush=True)
+            elif name in ("check", "check_eager"):
+                # check_eager: HF with its eager attention, whose rounding ours mirrors (bf16
+                # scores, fp32 softmax); its distance from sdpa's says how much is rounding.
+                impl = "eager" if name == "check_eager" else "sdpa"
+                try:
+                    model.set_attn_implementation(impl)
+                except Exception:
+                    model.config._attn_implementation = impl
+                res[name] = check_against_hf(model, dec)
+                res[name]["hf_attention"] = impl
+                print(name, res[name], flush=True)
             else:
                 if current != name:
                     torch._dynamo.reset()

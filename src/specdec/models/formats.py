@@ -27,9 +27,11 @@ from .drafter import DrafterConfig, Eagle3Drafter
 FORMATS = ("eagle3", "speculators")
 WEIGHTS = "model.safetensors"
 _FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
-def _llama_part(cfg: DrafterConfig) -> dict:
+def _llama_part(cfg: DrafterConfig, dtype_name: str = "bfloat16") -> dict:
     lc = cfg.llama_config().to_dict()
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "hidden_act",
@@ -37,16 +39,19 @@ def _llama_part(cfg: DrafterConfig) -> dict:
     out = {k: lc[k] for k in keep if k in lc}
     out.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False,
                rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
-               attention_bias=False, mlp_bias=False, torch_dtype="bfloat16")
+               attention_bias=False, mlp_bias=False, torch_dtype=dtype_name)
     return out
 
 
-def config_dict(cfg: DrafterConfig, fmt: str, target_name: str | None = None, k: int = 5) -> dict:
+def config_dict(cfg: DrafterConfig, fmt: str, target_name: str | None = None, k: int = 5,
+                dtype_name: str = "bfloat16") -> dict:
+    """`dtype_name` is the dtype of the saved tensors: loaders (HF `from_pretrained`, vLLM) cast
+    to it, so it must match what `save_drafter` writes."""
     ids = list(cfg.aux_layer_ids)
     flags = {f: getattr(cfg, f) for f in _FLAGS}
     if fmt == "eagle3":
         return {
-            **_llama_part(cfg),
+            **_llama_part(cfg, dtype_name),
             "architectures": ["LlamaForCausalLMEagle3"],
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
@@ -66,7 +71,7 @@ def config_dict(cfg: DrafterConfig, fmt: str, target_name: str | None = None, k:
             "architectures": ["Eagle3Speculator"],
             "speculators_model_type": "eagle3",
             "speculators_version": "0.9.0",
-            "transformer_layer_config": _llama_part(cfg),
+            "transformer_layer_config": _llama_part(cfg, dtype_name),
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": from_canonical(ids, "speculators"),
@@ -78,7 +83,7 @@ def config_dict(cfg: DrafterConfig, fmt: str, target_name: str | None = None, k:
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k}],
                 "verifier": {"name_or_path": target_name, "architectures": []},
             },
-            "torch_dtype": "bfloat16",
+            "torch_dtype": dtype_name,
             "specdec": {"aux_layer_ids_canonical": ids, "target": target_name},
         }
     raise SpecdecError(f"unknown drafter format {fmt!r}; expected one of {', '.join(FORMATS)}")
@@ -89,7 +94,7 @@ def save_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str = "eagle3
                  include_embeddings: bool = True) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = config_dict(drafter.cfg, fmt, target_name, k)
+    cfg = config_dict(drafter.cfg, fmt, target_name, k, _DTYPE_NAMES.get(dtype, "float32"))
     tensors = {}
     for name, t in drafter.state_dict().items():
         if name.startswith("rotary_emb."):
@@ -138,6 +143,12 @@ def parse_config(cfg: dict, num_target_layers: int | None = None) -> DrafterConf
         ids = default_aux_layer_ids(num_target_layers)
     heads = layer["num_attention_heads"]
     rope = layer.get("rope_parameters") or {}
+    scaling = layer.get("rope_scaling")
+    if not scaling and rope.get("rope_type", rope.get("type", "default")) != "default":
+        # transformers 5 writes scaling (llama3, yarn, ...) only inside rope_parameters
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling and "rope_type" not in scaling and "type" in scaling:
+        scaling = {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": scaling["type"]}
     return DrafterConfig(
         hidden_size=layer["hidden_size"],
         intermediate_size=layer["intermediate_size"],
@@ -150,7 +161,7 @@ def parse_config(cfg: dict, num_target_layers: int | None = None) -> DrafterConf
         aux_layer_ids=ids,
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
         rope_theta=float(layer.get("rope_theta") or rope.get("rope_theta", 10000.0)),
-        rope_scaling=layer.get("rope_scaling"),
+        rope_scaling=scaling or None,
         max_position_embeddings=layer.get("max_position_embeddings", 4096),
         hidden_act=layer.get("hidden_act", "silu"),
         **{f: bool(cfg.get(f, False)) for f in _FLAGS},
@@ -160,6 +171,12 @@ def parse_config(cfg: dict, num_target_layers: int | None = None) -> DrafterConf
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
+        pickles = sorted(f.name for f in folder.iterdir() if f.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise SpecdecError(
+                f"{folder} holds {pickles[0]}, a pickle file that specdec never loads (unpickling runs "
+                f"code); convert it to safetensors with a tool you trust, then retry"
+            )
         raise SpecdecError(f"no .safetensors file in {folder}: expected {WEIGHTS} next to config.json")
     tensors = {}
     for f in files:
@@ -181,6 +198,9 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype=torch.floa
         raise SpecdecError(f"{folder / 'config.json'} is not valid JSON ({e}); export the drafter again") from e
     cfg = parse_config(raw, target.num_layers if target is not None else None)
     tensors = {k.replace("layers.0.", "midlayer."): v for k, v in _read_tensors(folder).items()}
+    if "d2t" not in tensors and cfg.draft_vocab_size == cfg.vocab_size:
+        # A full-vocab drafter needs no mapping; speculators then saves no d2t/t2d at all.
+        tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
     if "d2t" not in tensors:
         raise IncompatibleDrafter(
             f"{folder} has no d2t tensor: its lm_head rows cannot be mapped to target tokens "
@@ -198,7 +218,11 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype=torch.floa
         t2d[torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long()] = True
         tensors["t2d"] = t2d
     tensors = {k: v for k, v in tensors.items() if not k.startswith(("verifier_", "rotary_emb."))}
-    missing, unexpected = drafter.load_state_dict(tensors, strict=False)
+    try:
+        missing, unexpected = drafter.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:  # a tensor shape that disagrees with config.json
+        first = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+        raise IncompatibleDrafter(f"{folder}: tensors do not match its config.json: {first}") from e
     missing = [m for m in missing if not m.startswith("rotary_emb.")]
     if missing or unexpected:
         raise IncompatibleDrafter(

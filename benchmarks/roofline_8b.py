@@ -58,7 +58,9 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny random llama")
     args = ap.parse_args()
     if args.tiny:
-        args.plan, args.ctx, args.max_len = "eager:1,8;check;hf", 32, 128
+        if args.plan == ap.get_default("plan"):
+            args.plan = "eager:1,8;check;hf"
+        args.ctx, args.max_len = 32, 128
     t_start = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,355 @@
+"""`specdec export`: write a drafter in the format vLLM / SGLang / speculators load, prove the
+written folder reproduces the drafter, and print the exact serve commands.
+
+The helpers here (`TargetShape`, `write_and_validate`, `describe`, `print_summary`) are shared
+with `specdec convert`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+DESCRIPTION = """\
+Export a trained EAGLE-3 drafter for serving. The drafter is loaded (and checked against the
+target when --target is given: hidden size, vocab, layer count, d2t range), written atomically,
+then the written folder is loaded again and must give the same logits as the drafter on a random
+input. The exact vLLM and SGLang commands are printed, together with the aux layer ids in each
+tool's convention: an off-by-one there is the most common cause of collapsed acceptance.
+
+formats:
+  eagle3       LlamaForCausalLMEagle3 config + midlayer.* tensors: vLLM and SGLang
+  speculators  Eagle3Speculator config (vllm-project/speculators): vLLM, `vllm serve OUT`
+
+examples:
+  specdec export --drafter runs/quickstart/train/drafter --target smollm2-135m-instruct \\
+      --format eagle3 runs/quickstart/export
+  specdec export --drafter DIR --target smollm2-135m-instruct --format speculators --dtype bf16 OUT
+  specdec export --drafter DIR --format eagle3 --no-embeddings --json OUT   # serving shares the target's
+"""
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("export", help="write a drafter for vLLM / SGLang / speculators and validate it",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", metavar="OUT", help="output folder")
+    p.add_argument("--drafter", required=True, metavar="DIR", help="drafter folder (eagle3 or speculators format)")
+    p.add_argument("--format", choices=["eagle3", "speculators"], default="eagle3", help="default: eagle3")
+    add_output_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object (path, format, serve commands, layer ids)")
+    p.set_defaults(func=run)
+
+
+def add_output_args(p) -> None:
+    """Flags shared by export and convert."""
+    p.add_argument("--target", metavar="MODEL",
+                   help="the target (registry name, HF folder, .gguf): checks the drafter fits it and names it in "
+                        "the serve commands; only its config and embedding matrix are read when it is an HF folder")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype of the written tensors (default: bf16)")
+    p.add_argument("--no-embeddings", action="store_true",
+                   help="leave embed_tokens.weight out (vLLM and SGLang then share the target's embedding)")
+    p.add_argument("--k", "--num-speculative-tokens", dest="k", type=int, default=5, metavar="K",
+                   help="draft tokens per step in the serve commands and speculators_config (default: 5)")
+    p.add_argument("--verifier", metavar="NAME",
+                   help="verifier name_or_path written into a speculators config (default: the target as resolved)")
+    p.add_argument("--force", action="store_true", help="replace an OUT folder that holds other weight files")
+
+
+# ---------------------------------------------------------------------------------------------
+# The target, as far as the checks need it
+
+
+class TargetShape:
+    """What `load_drafter`'s checks read from a target, without loading its weights: the numbers in
+    its config and, on demand, its embedding matrix read from the safetensors files. A 1T-parameter
+    target is checked in a second."""
+
+    def __init__(self, name: str, folder: Path):
+        import torch
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(str(folder))
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        self.name = name
+        self.folder = folder
+        self.config = text
+        self.num_layers = text.num_hidden_layers
+        self.hidden_size = text.hidden_size
+        self.device = torch.device("cpu")
+        self.files = sorted(folder.glob("*.safetensors"))
+        if not self.files:
+            raise FileNotFoundError(folder)
+        rows = self._shape("lm_head.weight") or self._shape("embed_tokens.weight")
+        self.vocab_size = rows[0] if rows else text.vocab_size
+
+    def _find(self, suffix: str):
+        from safetensors import safe_open
+
+        for f in self.files:
+            with safe_open(str(f), "pt") as h:
+                keys = [k for k in h.keys() if k == suffix or k.endswith("." + suffix)]
+                if keys:
+                    return f, sorted(keys, key=len)[0]
+        return None
+
+    def _shape(self, suffix: str):
+        from safetensors import safe_open
+
+        hit = self._find(suffix)
+        if hit is None:
+            return None
+        with safe_open(str(hit[0]), "pt") as h:
+            return list(h.get_slice(hit[1]).get_shape())
+
+    def embed_tokens(self):
+        import torch
+        from safetensors import safe_open
+
+        hit = self._find("embed_tokens.weight")
+        if hit is None:
+            from ..errors import SpecdecError
+
+            raise SpecdecError(f"no embed_tokens.weight in {self.folder}: cannot give the drafter the target's embedding")
+        with safe_open(str(hit[0]), "pt") as h:
+            return torch.nn.Embedding.from_pretrained(h.get_tensor(hit[1]).float(), freeze=True)
+
+
+class _SelfShape:
+    """Stands in for the target when none is given: the drafter's own numbers and embedding."""
+
+    def __init__(self, drafter):
+        import torch
+
+        c = drafter.cfg
+        self.name = "the drafter's own config"
+        self.num_layers = max(c.aux_layer_ids)
+        self.hidden_size = c.target_hidden_size
+        self.vocab_size = c.vocab_size
+        self.device = torch.device("cpu")
+        self._embed = drafter.embed_tokens
+
+    def embed_tokens(self):
+        return self._embed
+
+
+def target_for_checks(source: str):
+    """(target-like object for load_drafter, the name serving engines should load)."""
+    from ..models.registry import resolve_model_path
+    from ..models.target import load_target
+
+    folder, gguf = resolve_model_path(source)
+    if not gguf and folder.is_dir():
+        try:
+            return TargetShape(source, folder), str(folder.resolve())
+        except (FileNotFoundError, OSError, ValueError, KeyError, AttributeError):
+            pass  # no safetensors or an unusual config: load the model itself
+    target = load_target(source, device="cpu", dtype="fp32")
+    serve = str(folder.resolve()) if folder.is_dir() else source
+    return target, serve
+
+
+# ---------------------------------------------------------------------------------------------
+# Write, reload, compare
+
+
+def prepare_out(out: Path, sources: list[Path], force: bool) -> None:
+    from ..errors import SpecdecError
+
+    if out.exists() and not out.is_dir():
+        raise SpecdecError(f"{out} is a file: expected a folder to write the drafter into")
+    for src in sources:
+        if src.exists() and out.exists() and out.resolve() == src.resolve():
+            raise SpecdecError(f"OUT {out} is the input folder: write the export to a new folder")
+    if not out.is_dir():
+        return
+    stale = sorted(p.name for p in out.iterdir()
+                   if (p.suffix in (".safetensors", ".bin", ".pt", ".pth") or p.name.endswith(".index.json"))
+                   and p.name != "model.safetensors")
+    if stale and not force:
+        raise SpecdecError(
+            f"{out} already holds {', '.join(stale[:3])}: loaders would mix them with the export; "
+            f"choose an empty folder or pass --force to remove them"
+        )
+    for name in stale:
+        (out / name).unlink()
+
+
+def _probe(drafter, seed: int = 0):
+    """Logits of two drafting steps on a seeded random input: the target-state path and the
+    recycled-hidden path, so every weight and switch takes part."""
+    import torch
+
+    c = drafter.cfg
+    g = torch.Generator().manual_seed(seed)
+    T = 12
+    ids = torch.randint(0, c.vocab_size, (1, T), generator=g)
+    aux = torch.randn(1, T, len(c.aux_layer_ids) * c.target_hidden_size, generator=g)
+    pos = torch.arange(T)[None]
+    with torch.no_grad():
+        h, logits0 = drafter(ids, aux, pos)
+        _, logits1 = drafter(ids.roll(-1, 1), h, pos + 1)
+    return torch.cat([logits0, logits1], 1)
+
+
+def write_and_validate(drafter, out: Path, fmt: str, *, target_like, target_name, verifier, k: int,
+                       dtype_flag: str, include_embeddings: bool) -> dict:
+    """Save `drafter` to `out` in `fmt`, load the folder back and require the same logits."""
+    import copy
+
+    import torch
+
+    from ..errors import SpecdecError
+    from ..models.formats import load_drafter, save_drafter
+
+    dtype = getattr(torch, DTYPES[dtype_flag])
+    drafter = drafter.to("cpu").float().eval()
+    save_drafter(drafter, out, fmt, target_name=verifier, k=k, dtype=dtype, include_embeddings=include_embeddings)
+    # The reference is the drafter rounded to the written dtype: the reload must match it exactly.
+    reference = copy.deepcopy(drafter)
+    with torch.no_grad():
+        for param in reference.parameters():  # parameters only: rotary buffers stay fp32 on load
+            param.copy_(param.to(dtype).float())
+    check_target = target_like if target_like is not None else _SelfShape(drafter)
+    try:
+        reloaded = load_drafter(out, check_target, device="cpu", dtype=torch.float32)
+    except SpecdecError as e:
+        raise SpecdecError(f"the written folder does not load back: {e}") from e
+    problems = []
+    if list(reloaded.cfg.aux_layer_ids) != list(drafter.cfg.aux_layer_ids):
+        problems.append(f"aux layer ids {drafter.cfg.aux_layer_ids} came back as {reloaded.cfg.aux_layer_ids}")
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "draft_vocab_size",
+                 "target_hidden_size", "vocab_size", "hidden_size", "head_dim", "num_key_value_heads"):
+        if getattr(reloaded.cfg, flag) != getattr(drafter.cfg, flag):
+            problems.append(f"{flag} {getattr(drafter.cfg, flag)} came back as {getattr(reloaded.cfg, flag)}")
+    if not torch.equal(reloaded.d2t.cpu(), drafter.d2t.cpu()):
+        problems.append("d2t differs")
+    want, got = _probe(reference), _probe(reloaded)
+    diff = float((want - got).abs().max())
+    scale = float(want.abs().max()) or 1.0
+    if not diff <= 1e-5 * max(1.0, scale):
+        problems.append(f"logits differ by {diff:.3g} (max |logit| {scale:.3g})")
+    if problems:
+        raise SpecdecError(f"export validation failed for {out}: {'; '.join(problems)}")
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    return {"max_abs_logit_diff": diff, "bytes": size, "checked_against": getattr(check_target, "name", None)}
+
+
+# ---------------------------------------------------------------------------------------------
+# What to tell the user
+
+
+def sglang_reading(written: list[int]) -> dict[str, list[int]]:
+    """The canonical ids SGLang reads from eagle_config ids `written`, by version."""
+    return {
+        "sglang_before_pr_25454": [i + 1 for i in written],
+        "sglang_since_pr_25454": [i + 1 for i in written] if written and written[0] == 1 else list(written),
+    }
+
+
+def describe(out: Path, fmt: str, cfg, *, serve_target: str | None, k: int, dtype_flag: str,
+             verifier: str | None = None) -> dict:
+    from ..conventions import from_canonical
+
+    ids = list(cfg.aux_layer_ids)
+    sglang_ids = from_canonical(ids, "sglang")
+    layer_ids = {
+        "canonical": ids,
+        "eagle": from_canonical(ids, "eagle"),
+        "vllm": from_canonical(ids, "vllm"),
+        "speculators": from_canonical(ids, "speculators"),
+        "specforge": from_canonical(ids, "specforge"),
+        "modelopt": from_canonical(ids, "modelopt"),
+        "sglang": sglang_ids,
+    }
+    warnings = []
+    readings = sglang_reading(sglang_ids)
+    wrong = {v: r for v, r in readings.items() if r != ids}
+    if fmt == "eagle3" and wrong:
+        warnings.append(
+            f"SGLang misreads these aux ids: eagle_config holds {sglang_ids}, which "
+            + ", ".join(f"{v.replace('_', ' ')} reads as {r}" for v, r in wrong.items())
+            + f" instead of {ids}; serve with vLLM, or retrain with the default ids (first id 2)"
+        )
+    if len(set(ids)) != len(ids):
+        warnings.append(f"aux layer ids {ids} repeat a layer: speculators refuses duplicate ids")
+    target = shlex.quote(serve_target) if serve_target else "TARGET"
+    out_abs = str(out.resolve())
+    spec = json.dumps({"method": "eagle3", "model": out_abs, "num_speculative_tokens": k}, separators=(",", ":"))
+    vllm = f"vllm serve {target} --speculative-config {shlex.quote(spec)}"
+    serve = {"vllm": vllm}
+    if fmt == "speculators":
+        # The short form reads the target from speculators_config.verifier.name_or_path.
+        serve["vllm_short"] = f"vllm serve {shlex.quote(out_abs)}" if verifier else None
+        serve["sglang"] = None
+    else:
+        serve["sglang"] = (
+            f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {shlex.quote(out_abs)} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+            f"--speculative-num-draft-tokens {k + 1}"
+        )
+    if serve_target is None:
+        warnings.append("no --target given: replace TARGET in the serve commands with the target the drafter was trained for")
+    return {
+        "path": out_abs, "format": fmt, "dtype": DTYPES[dtype_flag], "target": serve_target, "k": k,
+        "serve": serve, "aux_layer_ids": layer_ids, "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": cfg.norm_before_fc, "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output,
+        "draft_vocab_size": cfg.draft_vocab_size, "warnings": warnings,
+    }
+
+
+def print_summary(info: dict, validation: dict, verb: str = "exported") -> None:
+    from rich.console import Console
+
+    con = Console(highlight=False, soft_wrap=True)
+    ids = info["aux_layer_ids"]
+    con.print(f"[bold]{verb}[/] {info['path']} ({info['format']}, {info['dtype']}, "
+              f"{validation['bytes'] / 1e6:.1f} MB); reloaded and checked against {validation['checked_against']}: "
+              f"logits equal (max |diff| {validation['max_abs_logit_diff']:.1g})")
+    con.print("aux layer ids, as each tool must be told for this drafter:")
+    con.print(f"  EAGLE reference / vLLM / speculators (HF hidden_states index): {ids['canonical']}")
+    con.print(f"  SpecForge / ModelOpt (index of the decoder layer whose output): {ids['specforge']}")
+    con.print(f"  SGLang eagle_config (SGLang adds 1 when the first id is 1):     {ids['sglang']}")
+    con.print("serve with vLLM:")
+    con.print(f"  {info['serve']['vllm']}")
+    if info["serve"].get("vllm_short"):
+        con.print(f"  {info['serve']['vllm_short']}   (target read from speculators_config.verifier)")
+    if info["serve"].get("sglang"):
+        con.print("serve with SGLang:")
+        con.print(f"  {info['serve']['sglang']}")
+    else:
+        con.print("SGLang: export with --format eagle3")
+    for w in info["warnings"]:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[yellow]warning:[/] {w}")
+
+
+def run(args) -> int:
+    from ..errors import SpecdecError
+    from ..models.formats import load_drafter
+
+    if args.k < 1:
+        raise SpecdecError(f"--k must be at least 1, got {args.k}")
+    src = Path(args.drafter)
+    out = Path(args.out)
+    prepare_out(out, [src], args.force)
+    target_like, serve_target = target_for_checks(args.target) if args.target else (None, None)
+    drafter = load_drafter(src, target_like, device="cpu")
+    verifier = args.verifier or serve_target
+    validation = write_and_validate(drafter, out, args.format, target_like=target_like, target_name=serve_target,
+                                    verifier=verifier, k=args.k, dtype_flag=args.dtype,
+                                    include_embeddings=not args.no_embeddings)
+    info = describe(out, args.format, drafter.cfg, serve_target=serve_target, k=args.k, dtype_flag=args.dtype,
+                    verifier=verifier)
+    info["validation"] = validation
+    info["source"] = str(src)
+    if args.json:
+        print(json.dumps(info))
+        for w in info["warnings"]:
+            print(f"specdec export: warning: {w}", file=sys.stderr)
+        return 0
+    print_summary(info, validation)
+    return 0

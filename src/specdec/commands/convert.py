@@ -330,6 +330,8 @@ def run(args) -> int:
                     verifier=verifier)
     info.update(source=str(src), source_format=source, source_layer_convention=convention,
                 source_aux_layer_ids=ids, aux_layer_ids_how=how, notes=notes, validation=validation)
+    if validation["embedding_note"]:
+        info["warnings"].append(validation["embedding_note"])
     if args.json:
         print(json.dumps(info))
         for w in info["warnings"]:

@@ -215,6 +215,16 @@ def write_and_validate(drafter, out: Path, fmt: str, *, target_like, target_name
         for param in reference.parameters():  # parameters only: rotary buffers stay fp32 on load
             param.copy_(param.to(dtype).float())
     check_target = target_like if target_like is not None else _SelfShape(drafter)
+    embed_note = None
+    if not include_embeddings:
+        # Servers (and the reload) then use the target's embedding, in full precision.
+        shared = check_target.embed_tokens().weight.detach().float().cpu()
+        own = drafter.embed_tokens.weight.detach().float()
+        if shared.shape != own.shape or not torch.allclose(shared, own, rtol=1e-2, atol=1e-3):
+            embed_note = ("the drafter's embedding differs from the target's: without embeddings it will run "
+                          "with the target's, which is not what it was trained with")
+        with torch.no_grad():
+            reference.embed_tokens.weight.copy_(shared)
     try:
         reloaded = load_drafter(out, check_target, device="cpu", dtype=torch.float32)
     except SpecdecError as e:
@@ -236,7 +246,8 @@ def write_and_validate(drafter, out: Path, fmt: str, *, target_like, target_name
     if problems:
         raise SpecdecError(f"export validation failed for {out}: {'; '.join(problems)}")
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    return {"max_abs_logit_diff": diff, "bytes": size, "checked_against": getattr(check_target, "name", None)}
+    return {"max_abs_logit_diff": diff, "bytes": size, "checked_against": getattr(check_target, "name", None),
+            "embedding_note": embed_note}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,6 +357,8 @@ def run(args) -> int:
                     verifier=verifier)
     info["validation"] = validation
     info["source"] = str(src)
+    if validation["embedding_note"]:
+        info["warnings"].append(validation["embedding_note"])
     if args.json:
         print(json.dumps(info))
         for w in info["warnings"]:

@@ -247,6 +247,8 @@ class StepBuffers:
     aux: torch.Tensor | None = None  # [T, 3H] when capturing aux states
     graph: torch.cuda.CUDAGraph | None = None
 
+    copied: torch.cuda.Event | None = None  # the last host -> device copy of `host`
+
     def __post_init__(self):
         self.host_np = self.host.numpy()
 
@@ -420,8 +422,16 @@ class FastDecoder:
         if slot0 + T > self.cache_len:
             raise SpecdecError(f"cache of {self.cache_len} slots is full (slot {slot0} + {T})")
         b = self._buffers(T, capture)
+        if b.copied is not None:
+            # The pinned host buffer may still be in flight to the device (back-to-back steps
+            # without a read in between, as in a chunked prefill): wait for that copy only.
+            b.copied.synchronize()
         self._fill(b, ids, pos, slot0, tmask)
         b.staging.copy_(b.host, non_blocking=True)
+        if self.device.type == "cuda":
+            if b.copied is None:
+                b.copied = torch.cuda.Event()
+            b.copied.record()
         if b.graph is not None:
             b.graph.replay()
         else:
@@ -455,7 +465,7 @@ class FastDecoder:
         host.fill_(self.cache_len - 1)  # padding copies the scratch slot onto itself
         host[0, :n] = torch.tensor(src)
         host[1, :n] = torch.arange(dst_start, dst_start + n)
-        buf.copy_(host, non_blocking=True)
+        buf.copy_(host)  # synchronous: the pinned buffer is rewritten by the next compaction
         g.replay()
 
     # -- whole prompts -------------------------------------------------------------------

@@ -54,6 +54,7 @@ def test_round_trip_equals_target_forward(target, tmp_path):
     s = capture(target, tmp_path / "cap", recs)
     store = CaptureStore(tmp_path / "cap")
     assert len(store) == 5 == s.samples and s.shards > 1
+    assert store.lengths() == [len(render(target.tokenizer, recs[int(i[1:])]["messages"])) for i in store.sample_ids]
     H = target.hidden_size
     for r in recs:
         x = store.sample(store.sample_ids.index(r["id"]))

@@ -454,6 +454,15 @@ class CaptureStore:
         a, b = self._offsets[loc.shard][loc.index], self._offsets[loc.shard][loc.index + 1]
         return {name: h.get_slice(name)[a:b] for name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}
 
+    def lengths(self) -> list[int]:
+        """Token count of every sample, in index order (reads only each shard's offsets)."""
+        out: list[int] = []
+        for si in range(len(self.shards)):
+            self._open(si)
+            off = self._offsets[si]
+            out += [b - a for a, b in zip(off[:-1], off[1:])]
+        return out
+
     def sample_id(self, i: int) -> str:
         return self.sample_ids[i]
 
@@ -488,12 +497,6 @@ class CaptureStore:
         if m.get("hidden_size") != target.hidden_size:
             out.append(f"hidden size {m.get('hidden_size')} vs {target.hidden_size}")
         return out
-
-    def gigabytes(self) -> float:
-        return self.manifest.get("bytes", 0) / 1e9
-
-    def tokens_per_shard(self) -> float:
-        return self.manifest["num_tokens"] / max(1, len(self.shards))
 
 
 def human_bytes(n: float) -> str:

@@ -23,10 +23,16 @@ CANONICAL = "eagle"
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """Canonical (HF hidden_states index) ids of the three states EAGLE-3 reads by default."""
-    if num_layers < 4:
-        # Tiny test models: spread the three taps over what exists, still inside (0, L].
-        return sorted({min(1, num_layers), max(1, num_layers // 2), num_layers})
-    return [2, num_layers // 2, num_layers - 3]
+    if num_layers >= 8:
+        return [2, num_layers // 2, num_layers - 3]
+    # Small test models: three distinct taps spread over 1..L (0 = embeddings only if needed).
+    ids = sorted({max(1, round(1 + (num_layers - 1) * f)) for f in (0.0, 0.5, 1.0)})
+    for extra in range(num_layers + 1):
+        if len(ids) >= 3:
+            break
+        if extra not in ids:
+            ids = sorted(ids + [extra])
+    return ids
 
 
 def _check(convention: str) -> str:

@@ -35,12 +35,7 @@ class Source:
 class OfflineSource(Source):
     def __init__(self, store):
         self.store = store
-        lengths = []
-        for si in range(len(store.shards)):
-            store._open(si)  # reads only the offsets tensor
-            off = store._offsets[si]
-            lengths += [b - a for a, b in zip(off[:-1], off[1:])]
-        super().__init__(list(store.sample_ids), lengths)
+        super().__init__(list(store.sample_ids), list(store.lengths()))
 
     def get(self, indices):
         return [self.store.sample(i) for i in indices]
@@ -64,7 +59,7 @@ class OnlineSource(Source):
         if not indices:
             return []
         return self._capture(self.target, [self.rendered[i] for i in indices], self.dtype,
-                             max_length=self.max_length, device="cpu")
+                             max_length=self.max_length)
 
     def token_samples(self):
         for r in self.rendered:

@@ -72,15 +72,24 @@ class Batch:
 
 @torch.no_grad()
 def target_distribution(head: TargetHead, last_hidden: torch.Tensor, draft_ids: torch.Tensor,
-                        t2d: torch.Tensor, chunk: int = 1024):
-    """(log-probs over the draft vocab [B, L, Vd], target argmax is in the draft vocab [B, L])."""
+                        t2d: torch.Tensor, rows: torch.Tensor | None = None, chunk: int = 1024):
+    """(log-probs over the draft vocab [B, L, Vd], target argmax is in the draft vocab [B, L]).
+
+    The full-vocab argmax (the costly part) is computed only where `rows` [B, L] is set.
+    """
     normed = head.normed(last_hidden)  # shape: [B, L, H]
     draft_logits = normed @ head.lm_head[draft_ids].T  # shape: [B, L, Vd]
-    flat = normed.reshape(-1, normed.shape[-1])
-    in_vocab = torch.empty(flat.shape[0], dtype=torch.bool, device=flat.device)
-    for i in range(0, flat.shape[0], chunk):  # full-vocab argmax without a [B*L, V] matrix
-        in_vocab[i : i + chunk] = t2d[(flat[i : i + chunk] @ head.lm_head.T).argmax(-1)]
-    return F.log_softmax(draft_logits, -1), in_vocab.view(last_hidden.shape[:2])
+    in_vocab = torch.zeros(last_hidden.shape[:2], dtype=torch.bool, device=last_hidden.device)
+    where = rows.nonzero(as_tuple=True) if rows is not None else None
+    flat = normed[where] if where is not None else normed.reshape(-1, normed.shape[-1])
+    hits = torch.empty(flat.shape[0], dtype=torch.bool, device=flat.device)
+    for i in range(0, flat.shape[0], chunk):  # never a [B*L, V] matrix
+        hits[i : i + chunk] = t2d[(flat[i : i + chunk] @ head.lm_head.T).argmax(-1)]
+    if where is not None:
+        in_vocab[where] = hits
+    else:
+        in_vocab = hits.view(last_hidden.shape[:2])
+    return F.log_softmax(draft_logits, -1), in_vocab
 
 
 @dataclass
@@ -98,7 +107,9 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
     B, L = batch.input_ids.shape
     dev = batch.input_ids.device
     draft_ids = raw.draft_to_target
-    logp_target, in_vocab = target_distribution(head, batch.last_hidden, draft_ids, raw.t2d)
+    # last_hidden[j-1] gives the distribution of token j; only assistant tokens j are scored.
+    needed = batch.loss_mask.roll(-1, dims=1) & batch.valid
+    logp_target, in_vocab = target_distribution(head, batch.last_hidden, draft_ids, raw.t2d, needed)
     # Positions j = t + 2 + s whose token is an assistant token the draft vocab can express.
     scored = batch.loss_mask & in_vocab.roll(1, dims=1) & batch.valid
     layer = raw.midlayer

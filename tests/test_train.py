@@ -1,0 +1,135 @@
+"""Drafter training: learning happens, checkpoints resume exactly after kill -9 (also across a
+change of world size), a vocab mapping survives --init, and DDP runs with gloo on 2 processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specdec.capture.run import run_capture
+from specdec.capture.store import CaptureStore
+from specdec.engine.api import SamplingParams
+from specdec.engine.engine import SpeculativeEngine
+from specdec.models.formats import load_drafter
+from specdec.models.target import load_target
+from specdec.train.data import OfflineSource
+from specdec.train.loop import TrainConfig, train
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def records(n, seed=0, words=("alpha", "beta", "gamma", "delta")):
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        answer = " ".join(rng.choice(words) for _ in range(30))
+        out.append({"id": f"s{seed}-{i}", "messages": [{"role": "user", "content": f"say words {i}"},
+                                                        {"role": "assistant", "content": answer}]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs):
+    return str(tiny_dirs["llama"])
+
+
+@pytest.fixture(scope="module")
+def capture_dir(tiny, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cap")
+    target = load_target(tiny, device="cpu")
+    run_capture(target, records(24), d, dtype=torch.float32, progress=False, check_space=False)
+    return d
+
+
+def train_cmd(tiny, data, out, *extra):
+    return [sys.executable, "-m", "specdec", "train", "--target", tiny, "--data", str(data), "-o", str(out),
+            "--draft-vocab-size", "64", "--batch-tokens", "1024", "--ttt-steps", "3", "--eval-every", "1000",
+            "--lr", "3e-3", *extra]
+
+
+def test_training_learns_and_the_drafter_is_lossless(tiny, capture_dir, tmp_path):
+    target = load_target(tiny, device="cpu")
+    cfg = TrainConfig(out=str(tmp_path / "run"), epochs=12, draft_vocab_size=64, batch_tokens=1024, ttt_steps=3,
+                      lr=3e-3, eval_every=10_000, eval_percent=10)
+    summary = train(target, OfflineSource(CaptureStore(capture_dir)), cfg, progress=False)
+    hist = summary["eval"]
+    assert hist["simulated_acceptance_length"] > 1.3  # a repetitive corpus is easy to draft
+    drafter = load_drafter(tmp_path / "run" / "drafter", target)
+    prompt = target.tokenizer("<|im_start|>assistant\nalpha beta")["input_ids"]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    ref = SpeculativeEngine(target).generate(prompt, params)
+    out = SpeculativeEngine(target, drafter=drafter, k=3).generate(prompt, params)
+    assert out.token_ids == ref.token_ids
+
+
+def _weights(path):
+    return load_file(str(Path(path) / "drafter" / "model.safetensors"))
+
+
+def test_kill_9_then_resume_is_exact(tiny, capture_dir, tmp_path):
+    args = ("--max-steps", "24", "--save-every", "4")
+    straight = tmp_path / "straight"
+    subprocess.run(train_cmd(tiny, capture_dir, straight, *args), check=True, env=ENV, capture_output=True)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(train_cmd(tiny, capture_dir, killed, *args), env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "step-4" / "state.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "training ended before its first checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "train_summary.json").exists()  # really interrupted
+    r = subprocess.run(train_cmd(tiny, capture_dir, killed, *args, "--resume"), env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "resuming from" in r.stderr
+    a, b = _weights(straight), _weights(killed)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+    assert json.loads((killed / "train_summary.json").read_text())["steps"] == 24
+
+
+def test_vocab_mapping_survives_init(tiny, capture_dir, tmp_path):
+    target = load_target(tiny, device="cpu")
+    base = TrainConfig(out=str(tmp_path / "a"), max_steps=3, draft_vocab_size=64, batch_tokens=1024, ttt_steps=2,
+                       eval_every=10_000)
+    train(target, OfflineSource(CaptureStore(capture_dir)), base, progress=False)
+    first = load_drafter(tmp_path / "a" / "drafter", target)
+    other = tmp_path / "cap2"
+    run_capture(target, records(16, seed=5, words=("zeta", "omega", "kappa")), other, dtype=torch.float32,
+                progress=False, check_space=False)
+    tuned = TrainConfig(out=str(tmp_path / "b"), max_steps=3, draft_vocab_size=64, batch_tokens=1024, ttt_steps=2,
+                        eval_every=10_000)
+    train(target, OfflineSource(CaptureStore(other)), tuned, init=str(tmp_path / "a" / "drafter"), progress=False)
+    second = load_drafter(tmp_path / "b" / "drafter", target)
+    assert torch.equal(first.d2t, second.d2t)
+    assert not torch.equal(first.lm_head.weight, second.lm_head.weight)  # it did train
+    rebuilt = TrainConfig(out=str(tmp_path / "c"), max_steps=1, draft_vocab_size=64, batch_tokens=1024,
+                          ttt_steps=2, eval_every=10_000, rebuild_vocab=True)
+    train(target, OfflineSource(CaptureStore(other)), rebuilt, init=str(tmp_path / "a" / "drafter"), progress=False)
+    assert not torch.equal(first.d2t, load_drafter(tmp_path / "c" / "drafter", target).d2t)
+
+
+def test_ddp_gloo_two_processes_and_resume_on_one(tiny, capture_dir, tmp_path):
+    out = tmp_path / "ddp"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0"]
+    cmd = torchrun + train_cmd(tiny, capture_dir, out, "--max-steps", "4", "--save-every", "2")[1:]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "world size 2" in r.stderr
+    assert (out / "checkpoints" / "step-4" / "state.json").exists()
+    # Change of world size: continue the same run on one process for more steps.
+    r = subprocess.run(train_cmd(tiny, capture_dir, out, "--max-steps", "6", "--save-every", "2", "--resume"),
+                       env=ENV, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming from" in r.stderr and json.loads((out / "train_summary.json").read_text())["steps"] == 6

@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
-# One-command install: CPU torch where there is no GPU, then specdec with its dev extras.
+# One-command install. Creates ./.venv (unless a virtual environment is already active), installs
+# PyTorch (the CPU build where there is no NVIDIA GPU), then specdec with its test extras.
+#   ./install.sh            then   .venv/bin/specdec quickstart
 set -euo pipefail
 cd "$(dirname "$0")"
-python -m pip install -q --upgrade pip
-if ! python -c "import torch" 2>/dev/null; then
+if [ -n "${VIRTUAL_ENV:-}" ]; then
+  py="$VIRTUAL_ENV/bin/python"
+else
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  py=.venv/bin/python
+fi
+"$py" -m pip install -q --upgrade pip
+if ! "$py" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    python -m pip install -q torch
+    "$py" -m pip install -q torch
   else
-    python -m pip install -q torch==2.13.0 || python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+    # A pinned CPU build; an unpinned torch would pull a multi-GB CUDA build.
+    "$py" -m pip install -q "torch==2.13.0"
   fi
 fi
-python -m pip install -q -e ".[dev]"
-# speculators is only used to cross-check exports; --no-deps keeps it from pulling a CUDA torch.
-python -m pip install -q --no-deps "speculators==0.9.0" || echo "note: speculators not installed; the cross-check test will be skipped"
+"$py" -m pip install -q -e ".[dev]"
+# speculators is only used to cross-check our exports; --no-deps keeps it from replacing torch.
+"$py" -m pip install -q --no-deps "speculators==0.9.0" "loguru" "pydantic-settings" \
+  || echo "note: speculators not installed; the cross-check test will be skipped"
+echo "installed: $("$py" -m specdec --version)  (python: $py)"

@@ -1,12 +1,14 @@
-"""The `specdec` command line. Each subcommand lives in `specdec/commands/<name>.py` and exposes
-`register(subparsers)`; heavy imports (torch, transformers) happen inside the command, so
-`specdec --help` answers instantly.
+"""specdec: train, export, serve, benchmark and diagnose EAGLE-3 speculative-decoding drafters.
 
-Examples:
-  specdec models fetch smollm2-135m-instruct
-  specdec generate --target smollm2-135m-instruct --prompt "Explain what a hash table is."
-  specdec quickstart
+examples:
+  specdec quickstart                                   # the whole pipeline on SmolLM2-135M
+  specdec generate --target smollm2-135m-instruct --ngram 3 --prompt "Explain what a hash table is."
+  specdec diagnose http://localhost:8000/metrics       # acceptance verdict for vLLM / SGLang / specdec
+  specdec COMMAND --help                               # every command shows runnable examples
 """
+
+# Each subcommand lives in specdec/commands/<name>.py and exposes register(subparsers); heavy
+# imports (torch, transformers) happen inside the command, so `specdec --help` answers instantly.
 
 from __future__ import annotations
 

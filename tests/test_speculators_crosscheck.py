@@ -177,3 +177,22 @@ def test_eagle3_converter_drops_input_norms(flags, tiny_targets, tiny_dirs, tmp_
     model = load_speculators(conv)
     norm = model.input_norm if flags.get("norm_before_fc") else model.fc_norm[0]
     assert torch.equal(norm.weight, torch.ones_like(norm.weight))
+
+
+def test_speculators_export_without_embeddings(tiny_targets, tiny_dirs, tmp_path):
+    """`--no-embeddings`: speculators must take the embedding from the verifier. Under transformers
+    5.24 (speculators 0.9.0 declares <= 5.19) from_pretrained initialises the missing
+    embed_tokens.weight to zeros instead of leaving speculators' NaN marker, so speculators never
+    loads the verifier's embedding; forcing the load gives identical logits. vLLM loads drafters
+    with its own code and shares the target's embedding, so serving is unaffected."""
+    target = tiny_targets["llama"]
+    d = make_drafter(target)
+    out = save_drafter(d, tmp_path / "spec", "speculators", target_name=str(tiny_dirs["llama"]),
+                       dtype=torch.float32, include_embeddings=False)
+    model = load_speculators(out)
+    if not torch.equal(model.embed_tokens.weight, target.embed_tokens().weight):
+        model._load_verifier_weights(overwrite_embed_tokens=True)
+    assert torch.equal(model.embed_tokens.weight, target.embed_tokens().weight)
+    aux, ids = inputs(d)
+    torch.testing.assert_close(speculators_logits(model, aux, ids, torch.arange(T)[None]),
+                               specdec_logits(d, aux, ids), rtol=1e-5, atol=1e-5)

@@ -179,6 +179,17 @@ def prepare_out(out: Path, sources: list[Path], force: bool) -> None:
         (out / name).unlink()
 
 
+def _share(out: Path) -> None:
+    """Atomic writes create files 0600; a server running as another user (a container) must read them."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in (out / "config.json", out / "model.safetensors"):
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
+
+
 def _probe(drafter, seed: int = 0):
     """Logits of two drafting steps on a seeded random input: the target-state path and the
     recycled-hidden path, so every weight and switch takes part."""
@@ -209,6 +220,7 @@ def write_and_validate(drafter, out: Path, fmt: str, *, target_like, target_name
     dtype = getattr(torch, DTYPES[dtype_flag])
     drafter = drafter.to("cpu").float().eval()
     save_drafter(drafter, out, fmt, target_name=verifier, k=k, dtype=dtype, include_embeddings=include_embeddings)
+    _share(out)
     # The reference is the drafter rounded to the written dtype: the reload must match it exactly.
     reference = copy.deepcopy(drafter)
     with torch.no_grad():

@@ -44,10 +44,18 @@ def tiny(tiny_dirs):
 
 @pytest.fixture(scope="module")
 def capture_dir(tiny, tmp_path_factory):
+    """The real pipeline in small: the target answers 24 prompts, then its states are captured."""
+    from specdec.capture.run import load_records
+    from specdec.data.datasets import Conversation
+    from specdec.data.regenerate import RegenConfig, regenerate_local
+
     d = tmp_path_factory.mktemp("cap")
     target = load_target(tiny, device="cpu")
-    run_capture(target, records(24), d, dtype=torch.float32, progress=False, check_space=False)
-    return d
+    convs = [Conversation(id=r["id"], messages=r["messages"][:1]) for r in records(24)]
+    regenerate_local(target, convs, d / "regen.jsonl", RegenConfig(max_new_tokens=40), batch_size=8, progress=False)
+    run_capture(target, load_records(str(d / "regen.jsonl")), d / "cap", dtype=torch.float32, progress=False,
+                check_space=False)
+    return d / "cap"
 
 
 def train_cmd(tiny, data, out, *extra):
@@ -133,3 +141,22 @@ def test_ddp_gloo_two_processes_and_resume_on_one(tiny, capture_dir, tmp_path):
                        env=ENV, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resuming from" in r.stderr and json.loads((out / "train_summary.json").read_text())["steps"] == 6
+
+
+def test_doctor_names_a_shifted_layer_id(tiny, capture_dir, tmp_path):
+    from specdec.data.datasets import Conversation
+    from specdec.doctor import diagnose_drafter
+
+    target = load_target(tiny, device="cpu")
+    cfg = TrainConfig(out=str(tmp_path / "run"), epochs=15, draft_vocab_size=64, batch_tokens=1024, ttt_steps=3,
+                      lr=3e-3, eval_every=10_000, eval_percent=0)
+    train(target, OfflineSource(CaptureStore(capture_dir)), cfg, progress=False)
+    drafter = load_drafter(tmp_path / "run" / "drafter", target)
+    prompts = [Conversation(id=r["id"], messages=r["messages"][:1]) for r in records(4)]
+    healthy = diagnose_drafter(target, drafter, target.tokenizer, prompts, k=3, max_new_tokens=24)
+    assert healthy["baseline"]["mean_acceptance_length"] > 1.5
+    assert healthy["mismatch"] is None
+    # The same drafter exported with ids one layer too shallow, as a convention mix-up would.
+    drafter.cfg.aux_layer_ids = [i - 1 for i in drafter.cfg.aux_layer_ids]
+    broken = diagnose_drafter(target, drafter, target.tokenizer, prompts, k=3, max_new_tokens=24)
+    assert broken["mismatch"] == "aux ids +1", broken["rows"]

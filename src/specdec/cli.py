@@ -33,6 +33,7 @@ COMMANDS = [
     "convert",
     "serve",
     "diagnose",
+    "doctor",
     "watch",
     "report",
     "bench",

@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 from .errors import SpecdecError

@@ -44,6 +44,16 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _command_line() -> str | None:
+    """The command as typed, when run from the shell (not when main() is called in-process)."""
+    import shlex
+    from pathlib import Path
+
+    if not sys.argv or Path(sys.argv[0]).name not in ("specdec", "__main__.py"):
+        return None
+    return "specdec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
 def _environment(target, args) -> dict:
     import datetime
     import platform
@@ -58,7 +68,7 @@ def _environment(target, args) -> dict:
     return {
         "device": str(dev), "device_name": name, "dtype": str(target.dtype).replace("torch.", ""),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "specdec " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith(("specdec", "__main__.py")) else None,
+        "command": _command_line(),
         "versions": {"specdec": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
     }
 

@@ -36,7 +36,8 @@ specforge, modelopt (id k = output of layer k); sglang (config ids + 1 when the 
 
 examples:
   specdec convert ./specforge-out/epoch_9 ./drafter --from specforge --target smollm2-135m-instruct
-  specdec convert ./EAGLE3-LLaMA3.1-Instruct-8B ./drafter --from eagle --target meta-llama/Llama-3.1-8B-Instruct
+  specdec convert ./EAGLE3-LLaMA3.1-Instruct-8B ./drafter --from eagle --target ./Llama-3.1-8B-Instruct
+      # (that release ships pytorch_model.bin: convert it to safetensors with a tool you trust first)
   specdec convert ./speculator.eagle3 ./drafter --format eagle3      # speculators -> vLLM/SGLang eagle3
   specdec convert SRC OUT --layer-convention specforge --aux-layer-ids 1,14,26
 """

@@ -77,14 +77,18 @@ HYPOTHESES = [
 
 
 def diagnose_drafter(target, drafter, tokenizer, conversations, *, k: int = 5, max_new_tokens: int = 48,
-                     progress: bool = False) -> dict:
+                     progress: bool = False, measure: Callable[[], dict] | None = None) -> dict:
+    """Acceptance under each hypothesis. `measure` (default: the engine over `conversations`)
+    returns {mean_acceptance_length, per_position_acceptance} for the current switches."""
     from .evaluate import evaluate
 
-    def measure():
+    def engine_measure():
         engine = SpeculativeEngine(target, drafter=drafter, k=k)
         r = evaluate(engine, tokenizer, conversations, max_new_tokens=max_new_tokens, progress=progress, warmup=False)
         return {"mean_acceptance_length": r["mean_acceptance_length"],
                 "per_position_acceptance": r["per_position_acceptance"]}
+
+    measure = measure or engine_measure
 
     configured_ids = list(drafter.cfg.aux_layer_ids)
     base = measure()

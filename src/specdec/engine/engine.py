@@ -130,18 +130,8 @@ class SpeculativeEngine:
                 self.proposer.commit(out.aux_hidden[:, rows], torch.tensor(new_tokens, device=dev))
             depth_count = max(draft.depths(), default=-1) + 1
             positions_ok = [i < len(path) for i in range(depth_count)]
-            # Truncate at a stop token or the length budget.
-            committed = []
-            reason = None
-            for t in new_tokens:
-                committed.append(t)
-                produced += 1
-                if t in stops:
-                    reason = "stop"
-                    break
-                if produced >= params.max_new_tokens:
-                    reason = "length"
-                    break
+            committed, reason = truncate_at_stop(new_tokens, stops, produced, params.max_new_tokens)
+            produced += len(committed)
             context.extend(committed)
             finished = reason is not None
             yield StepOutput(token_ids=committed, drafted=n, accepted=len(path),
@@ -197,6 +187,19 @@ class SpeculativeEngine:
             num_steps=steps, num_drafts=drafts, drafted=drafted, accepted=accepted,
             accepted_per_position=per_pos, finish_reason=reason,
         )
+
+
+def truncate_at_stop(new_tokens: list[int], stops: set[int], produced: int, max_new_tokens: int):
+    """The tokens of one step that are actually emitted: up to and including the first stop
+    token, and no more than the length budget. Returns (tokens, finish reason or None)."""
+    committed: list[int] = []
+    for t in new_tokens:
+        committed.append(t)
+        if t in stops:
+            return committed, "stop"
+        if produced + len(committed) >= max_new_tokens:
+            return committed, "length"
+    return committed, None
 
 
 def _crop(cache, keep: int) -> None:

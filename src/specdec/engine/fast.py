@@ -43,7 +43,7 @@ from ..errors import SpecdecError
 from ..models.target import Target
 from .api import SamplingParams, StepOutput
 from .eagle import Eagle3Proposer
-from .engine import SpeculativeEngine
+from .engine import SpeculativeEngine, truncate_at_stop
 from .sampling import sample, target_probs
 from .tree import Draft, TreeConfig, ancestor_mask
 
@@ -638,17 +638,8 @@ class FastEngine(SpeculativeEngine):
                 self.proposer.commit(b.aux[rows][None], torch.tensor(new_tokens, device=dev))
             depth_count = max(depths, default=-1) + 1
             positions_ok = [i < len(path) for i in range(depth_count)]
-            committed = []
-            reason = None
-            for t in new_tokens:
-                committed.append(t)
-                produced += 1
-                if t in stops:
-                    reason = "stop"
-                    break
-                if produced >= params.max_new_tokens:
-                    reason = "length"
-                    break
+            committed, reason = truncate_at_stop(new_tokens, stops, produced, params.max_new_tokens)
+            produced += len(committed)
             context.extend(committed)
             finished = reason is not None
             yield StepOutput(token_ids=committed, drafted=n, accepted=len(path),

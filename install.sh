@@ -20,7 +20,9 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   fi
 fi
 "$py" -m pip install -q -e ".[dev]"
-# speculators is only used to cross-check our exports; --no-deps keeps it from replacing torch.
-"$py" -m pip install -q --no-deps "speculators==0.9.0" "loguru" "pydantic-settings" \
+# speculators is only used to cross-check our exports. --no-deps keeps it from replacing torch
+# (it asks for torchvision/torchaudio); what it imports is installed next, against the torch above.
+{ "$py" -m pip install -q --no-deps "speculators==0.9.0" \
+  && "$py" -m pip install -q "datasets==5.2.0" "hs-connectors==0.9.0" loguru; } \
   || echo "note: speculators not installed; the cross-check test will be skipped"
 echo "installed: $("$py" -m specdec --version)  (python: $py)"

@@ -23,6 +23,6 @@ fi
 # speculators is only used to cross-check our exports. --no-deps keeps it from replacing torch
 # (it asks for torchvision/torchaudio); what it imports is installed next, against the torch above.
 { "$py" -m pip install -q --no-deps "speculators==0.9.0" \
-  && "$py" -m pip install -q "datasets==5.2.0" "hs-connectors==0.9.0" loguru; } \
+  && "$py" -m pip install -q "datasets>=4,<=5.1.0" "hs-connectors==0.9.0" loguru; } \
   || echo "note: speculators not installed; the cross-check test will be skipped"
 echo "installed: $("$py" -m specdec --version)  (python: $py)"

@@ -20,7 +20,7 @@ examples:
 """
 
 CPU = dict(prompts=192, max_new_tokens=128, epochs=4.0, draft_vocab_size=2048, ttt_steps=4,
-           eval_prompts=5, eval_max_new_tokens=96, max_length=384, batch_tokens=4096)
+           eval_prompts=5, eval_max_new_tokens=96, max_length=384, batch_tokens=1024)
 GPU = dict(prompts=4000, max_new_tokens=256, epochs=10.0, draft_vocab_size=16384, ttt_steps=7,
            eval_prompts=80, eval_max_new_tokens=256, max_length=2048, batch_tokens=16384)
 

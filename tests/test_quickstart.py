@@ -1,0 +1,29 @@
+"""The main job end to end on a tiny target: every stage runs, the table and one JSON line come
+out, and a second run resumes instead of redoing the work."""
+
+import json
+import os
+import subprocess
+import sys
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ARGS = ["--target", "tiny-llama", "--prompts", "6", "--max-new-tokens", "12", "--epochs", "1",
+        "--draft-vocab-size", "64", "--eval-prompts", "2", "--eval-max-new-tokens", "8", "--json"]
+
+
+def test_quickstart_runs_and_resumes(tmp_path):
+    out = tmp_path / "qs"
+    r = subprocess.run([sys.executable, "-m", "specdec", "quickstart", "--out", str(out), *ARGS],
+                       capture_output=True, text=True, env=ENV, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("mean_acceptance_length", "per_position_acceptance", "tokens_per_s", "plain_tokens_per_s", "speedup"):
+        assert key in line
+    assert len(line["per_position_acceptance"]) == 5 and line["mean_acceptance_length"] >= 1.0
+    assert (out / "train" / "drafter" / "config.json").exists()
+    regen = (out / "regen.jsonl").read_text().splitlines()
+    again = subprocess.run([sys.executable, "-m", "specdec", "quickstart", "--out", str(out), *ARGS],
+                           capture_output=True, text=True, env=ENV, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already trained" in again.stderr
+    assert (out / "regen.jsonl").read_text().splitlines() == regen  # nothing regenerated twice

@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# Everything BENCHMARKS.md reports, in two device calls of < 10 minutes each (the device README's
-# limits: 64 MiB carried per call, so the 98 MB SmolLM2 GGUF travels as two halves, one per call,
-# and call 2 finds the first half still on the warm machine).
+# Everything BENCHMARKS.md reports for the H200, in two parts of under 10 minutes each.
 #
-#   bash benchmarks/h200.sh 1   # carry .whl .devdata/question.jsonl .devdata/p1/smol.gguf.part0
-#                               # 8B-shaped roofline; SmolLM2 shapes with random weights
-#   bash benchmarks/h200.sh 2   # carry .whl .devdata/question.jsonl .devdata/p2/smol.gguf.part1
-#                               # SmolLM2 real weights: timing, fp32 agreement, bench table
+#   bash benchmarks/h200.sh 1   # 8B-shaped roofline; SmolLM2 shapes with random weights
+#   bash benchmarks/h200.sh 2   # SmolLM2 real weights: timing, fp32 agreement, bench table
+#   bash benchmarks/h200.sh 3   # cuBLAS variant at T=1..16 and the 8B checks against HF
 #
-# Prepare here (once): split -b 49181216 -d -a 1 <the .gguf> .devdata/smol.gguf.part, move part0
-# to .devdata/p1/ and part1 to .devdata/p2/; pip download --no-deps gguf==0.19.0 into .whl/.
+# Part 2 reads the SmolLM2 GGUF from .devdata/ (split in two parts, part0 and part1, as copied to
+# a machine without PyPI access) and MT-Bench questions from .devdata/question.jsonl; wheels that
+# the GPU machine lacks (gguf) go in .whl/. Results are written under $OUT (default
+# benchmarks/results).
 set -u
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"

@@ -4,7 +4,9 @@ engine itself in-process to check that /metrics counts exactly what the engine d
 
 import json
 import re
+import shlex
 import subprocess
+import sys
 import threading
 import time
 
@@ -430,9 +432,13 @@ def test_metrics_text_shape(http):
 
 
 def test_diagnose_reads_the_server(server, http):
+    # Traffic of its own, so the test does not depend on what ran before it.
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "abcabcabcabc", "max_tokens": 16,
+                                           "temperature": 0})
+    assert r.status_code == 200, r.text
     counters = scrape(http)
     out = subprocess.run(
-        ["bash", "-c", f"curl -s {server.url}/metrics | python -m specdec diagnose - --json"],
+        ["bash", "-c", f"curl -s {server.url}/metrics | {shlex.quote(sys.executable)} -m specdec diagnose - --json"],
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr

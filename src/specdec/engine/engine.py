@@ -69,21 +69,30 @@ class SpeculativeEngine:
             return int(logits.argmax())
         return sample(target_probs(logits, params), gen)
 
-    @torch.no_grad()
-    def generate_iter(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
+    # How a too-long request is explained; the fast engine's limit is its static cache.
+    _context_name = "the target's context"
+    _context_hint = ""
+
+    def _begin(self, prompt_ids: list[int], params: SamplingParams):
+        """Check a request and return (sampling generator or None, stop token ids)."""
         if not prompt_ids:
             raise SpecdecError("empty prompt: expected at least one token")
         if len(prompt_ids) + params.max_new_tokens > self.max_len:
             raise SpecdecError(
                 f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} exceeds "
-                f"the target's context of {self.max_len} tokens"
+                f"{self._context_name} of {self.max_len} tokens{self._context_hint}"
             )
-        dev = self.target.device
         gen = None
         if params.temperature > 0:
-            gen = torch.Generator(device=dev)
+            gen = torch.Generator(device=self.target.device)
             gen.manual_seed(params.seed if params.seed is not None else int(torch.seed() % (1 << 62)))
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.target.eos_token_ids))
+        return gen, stops
+
+    @torch.no_grad()
+    def generate_iter(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
+        gen, stops = self._begin(prompt_ids, params)
+        dev = self.target.device
         eagle = isinstance(self.proposer, Eagle3Proposer)
         cache = DynamicCache()
         ids = torch.tensor([prompt_ids], device=dev)

@@ -519,6 +519,9 @@ class FastEngine(SpeculativeEngine):
     Buckets (one compiled step and one CUDA graph each): 1 (plain, or an empty draft), k+1 (a
     chain draft, padded), the tree size + 1 (a tree draft) and `prefill_chunk`."""
 
+    _context_name = "the fast path's cache"
+    _context_hint = "; pass a larger max_len"
+
     def __init__(
         self,
         target: Target,
@@ -583,20 +586,9 @@ class FastEngine(SpeculativeEngine):
 
     @torch.no_grad()
     def generate_iter(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
-        if not prompt_ids:
-            raise SpecdecError("empty prompt: expected at least one token")
-        if len(prompt_ids) + params.max_new_tokens > self.max_len:
-            raise SpecdecError(
-                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} exceeds "
-                f"the fast path's cache of {self.max_len} tokens; pass a larger max_len"
-            )
+        gen, stops = self._begin(prompt_ids, params)
         dev = self.target.device
-        gen = None
         greedy = params.temperature <= 0
-        if not greedy:
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(params.seed if params.seed is not None else int(torch.seed() % (1 << 62)))
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.target.eos_token_ids))
         eagle = isinstance(self.proposer, Eagle3Proposer)
         self.fast.aux_layer_ids = list(self.target.aux_layer_ids)
         logits, top, aux = self.fast.prefill(list(prompt_ids), self.prefill_chunk, capture=eagle)

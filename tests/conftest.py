@@ -30,3 +30,14 @@ def tiny_targets(tiny_dirs):
         model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
         out[a] = Target(model, AutoTokenizer.from_pretrained(d), name=f"tiny-{a}")
     return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread; two spin-waiting threads crawl on a busy 2-core box."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -76,6 +76,17 @@ SPEC = {
 # -- basics ------------------------------------------------------------------------------------
 
 
+
+def wait_for_abort(http, before):
+    """The scrape once exactly one more request has finished as "abort" and none is running."""
+    def aborted():
+        now = scrape(http)
+        done = sample(now, "vllm:request_success_total", finished_reason="abort") - sample(
+            before, "vllm:request_success_total", finished_reason="abort")
+        return now if done == 1 and sample(now, "vllm:num_requests_running") == 0 else None
+
+    return wait_for(aborted, what="the abort to be counted")
+
 def test_health_models_and_banner(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -270,13 +281,7 @@ def test_disconnecting_stream_cancels_its_request(server, http, client):
                         break
         # Leaving both blocks closes the connection mid-stream.
 
-    def aborted():
-        now = scrape(http)
-        done = sample(now, "vllm:request_success_total", finished_reason="abort") - sample(
-            before, "vllm:request_success_total", finished_reason="abort")
-        return now if done == 1 and sample(now, "vllm:num_requests_running") == 0 else None
-
-    after = wait_for(aborted, what="the abort to be counted")
+    after = wait_for_abort(http, before)
     generated = sample(after, "vllm:generation_tokens_total") - sample(before, "vllm:generation_tokens_total")
     assert 1 <= generated < 500, generated
     # The server keeps serving: the next request completes normally.
@@ -292,13 +297,7 @@ def test_disconnecting_non_streaming_client_cancels_its_request(server, http):
         httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                    timeout=httpx.Timeout(60, read=0.2))
 
-    def aborted():
-        now = scrape(http)
-        done = sample(now, "vllm:request_success_total", finished_reason="abort") - sample(
-            before, "vllm:request_success_total", finished_reason="abort")
-        return now if done == 1 and sample(now, "vllm:num_requests_running") == 0 else None
-
-    after = wait_for(aborted, what="the abort to be counted")
+    after = wait_for_abort(http, before)
     assert sample(after, "vllm:generation_tokens_total") - sample(before, "vllm:generation_tokens_total") < 500
 
 

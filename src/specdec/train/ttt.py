@@ -112,36 +112,15 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
     logp_target, in_vocab = target_distribution(head, batch.last_hidden, draft_ids, raw.t2d, needed)
     # Positions j = t + 2 + s whose token is an assistant token the draft vocab can express.
     scored = batch.loss_mask & in_vocab.roll(1, dims=1) & batch.valid
-    layer = raw.midlayer
-    attn = layer.self_attn
-    hidden = raw.project_aux(batch.aux_hidden.to(raw.fc.weight.dtype))  # shape: [B, L, H]
-    positions = torch.arange(L, device=dev)[None].expand(B, L)
-    k0 = v0 = None
-    extra_k, extra_v = [], []
     loss = torch.zeros((), device=dev)
     correct, step_correct = [], []
     counted = torch.zeros((), device=dev)
-    for s in range(steps):
+    for s, logits in enumerate(ttt_unroll(raw, batch.input_ids, batch.aux_hidden, steps)):
         n = L - 2 - s  # indices t with a target at t + 2 + s
         if n <= 0:
             correct.append(torch.zeros((), device=dev))
             step_correct.append(torch.zeros((), device=dev))
             continue
-        ids = torch.zeros_like(batch.input_ids)
-        ids[:, : L - 1 - s] = batch.input_ids[:, 1 + s :]  # token at t+1+s; shape: [B, L]
-        embeds = raw.embed_tokens(ids).to(hidden.dtype)
-        x, residual = layer.attn_input(embeds, hidden)
-        cos, sin = raw.rotary_emb(x, positions + s)
-        q, k, v = attn.project(x, cos, sin)  # shapes: [B, nh, L, hd], [B, kvh, L, hd] x2
-        if s == 0:
-            k0, v0 = k, v
-        else:
-            extra_k.append(k)
-            extra_v.append(v)
-        o = ttt_attention(q, k0, v0, extra_k, extra_v)  # shape: [B, nh, L, hd]
-        o = attn.o_proj(o.transpose(1, 2).reshape(B, L, -1))
-        h = layer.finish(o, residual)
-        hidden, logits = raw.head(h)  # shapes: [B, L, H], [B, L, Vd]
         tgt = torch.zeros_like(logp_target)
         tgt[:, :n] = logp_target[:, 1 + s : 1 + s + n]  # from last_hidden[t+1+s]
         m = torch.zeros_like(scored)
@@ -163,3 +142,31 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
             correct.append((alive & base).sum().float())
             step_correct.append(right.sum().float())
     return TTTOutput(loss, torch.stack(correct), torch.stack(step_correct), counted)
+
+
+def ttt_unroll(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int):
+    """Yield the draft-vocab logits [B, L, Vd] of steps 0..steps-1; index t of step s predicts the
+    token at t+2+s (teacher forcing on `input_ids`, the drafter's own hidden states recycled)."""
+    B, L = input_ids.shape
+    layer = raw.midlayer
+    attn = layer.self_attn
+    hidden = raw.project_aux(aux_hidden.to(raw.fc.weight.dtype))  # shape: [B, L, H]
+    positions = torch.arange(L, device=input_ids.device)[None].expand(B, L)
+    k0 = v0 = None
+    extra_k, extra_v = [], []
+    for s in range(steps):
+        ids = torch.zeros_like(input_ids)
+        ids[:, : max(0, L - 1 - s)] = input_ids[:, 1 + s :]  # token at t+1+s; shape: [B, L]
+        embeds = raw.embed_tokens(ids).to(hidden.dtype)
+        x, residual = layer.attn_input(embeds, hidden)
+        cos, sin = raw.rotary_emb(x, positions + s)
+        q, k, v = attn.project(x, cos, sin)  # shapes: [B, nh, L, hd], [B, kvh, L, hd] x2
+        if s == 0:
+            k0, v0 = k, v
+        else:
+            extra_k.append(k)
+            extra_v.append(v)
+        o = ttt_attention(q, k0, v0, extra_k, extra_v)  # shape: [B, nh, L, hd]
+        o = attn.o_proj(o.transpose(1, 2).reshape(B, L, -1))
+        hidden, logits = raw.head(layer.finish(o, residual))  # shapes: [B, L, H], [B, L, Vd]
+        yield logits

@@ -1,0 +1,51 @@
+"""Training-time test must unroll exactly what inference drafts: the chain the engine's proposer
+drafts from a prefix is what `ttt_unroll` predicts at the prefix's last index, step by step."""
+
+import pytest
+import torch
+
+from specdec.engine.api import SamplingParams
+from specdec.engine.eagle import Eagle3Proposer
+from specdec.models.drafter import DrafterConfig, Eagle3Drafter
+from specdec.train.ttt import ttt_unroll
+
+
+def random_drafter(target, seed: int, norm_output: bool, norm_before_residual: bool):
+    torch.manual_seed(seed)
+    cfg = DrafterConfig.for_target(target.config, draft_vocab_size=128, aux_layer_ids=target.aux_layer_ids,
+                                   norm_output=norm_output, norm_before_residual=norm_before_residual)
+    d = Eagle3Drafter(cfg)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.normal_(0, 1.0)  # large enough that the argmax depends on every input
+        d.set_vocab_mapping(torch.randperm(target.vocab_size)[:128])
+    return d.eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("norm_output,norm_before_residual", [(False, False), (True, True)])
+@pytest.mark.parametrize("P", [2, 11, 40])
+def test_chain_draft_equals_ttt_unroll(tiny_targets, arch, norm_output, norm_before_residual, P):
+    target = tiny_targets[arch]
+    drafter = random_drafter(target, seed=P, norm_output=norm_output, norm_before_residual=norm_before_residual)
+    k = 6
+    prompt = torch.randint(3, target.vocab_size, (1, P), generator=torch.Generator().manual_seed(P))
+    with torch.no_grad():
+        out = target.forward(prompt, capture=True)
+    bonus = int(out.logits[0, -1].argmax())
+
+    proposer = Eagle3Proposer(drafter, k=k)
+    proposer.reset(64)
+    proposer.commit(out.aux_hidden, torch.cat([prompt[0, 1:], torch.tensor([bonus])]))
+    drafts = proposer.propose(SamplingParams(temperature=0.0), None, target.vocab_size).tokens
+    assert len(drafts) == k
+
+    # Teacher forcing on [prompt, bonus, d1..d(k-1)]: index P-1, step s reads token P+s, predicts d(s+1).
+    seq = torch.cat([prompt[0], torch.tensor([bonus] + drafts[:-1])])[None]
+    aux = torch.zeros(1, seq.shape[1], out.aux_hidden.shape[-1])
+    aux[:, :P] = out.aux_hidden  # later indices are never read by index P-1
+    d2t = drafter.draft_to_target
+    with torch.no_grad():
+        steps = [logits[0, P - 1] for logits in ttt_unroll(drafter, seq, aux, k)]
+    torch.testing.assert_close(steps[0], proposer.last_logits, rtol=1e-4, atol=1e-4)
+    assert [int(d2t[lg.argmax()]) for lg in steps] == drafts

@@ -20,9 +20,13 @@ examples:
 """
 
 CPU = dict(prompts=192, max_new_tokens=128, epochs=4.0, draft_vocab_size=2048, ttt_steps=4,
-           eval_prompts=5, eval_max_new_tokens=96, max_length=384, batch_tokens=1024)
+           eval_prompts=5, eval_max_new_tokens=96, max_length=384, batch_tokens=1024, batch_size=64)
 GPU = dict(prompts=4000, max_new_tokens=256, epochs=10.0, draft_vocab_size=16384, ttt_steps=7,
-           eval_prompts=80, eval_max_new_tokens=256, max_length=2048, batch_tokens=16384)
+           eval_prompts=20, eval_max_new_tokens=256, max_length=2048, batch_tokens=16384, batch_size=256)
+
+
+def _defaults(key: str) -> str:
+    return f"CPU {CPU[key]:g}, GPU {GPU[key]:g}"
 
 
 def register(subparsers) -> None:
@@ -30,15 +34,15 @@ def register(subparsers) -> None:
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct", help="default: smollm2-135m-instruct")
     p.add_argument("--out", default="runs/quickstart", help="run directory (default: runs/quickstart)")
-    p.add_argument("--prompts", type=int, help="ShareGPT prompts to regenerate (CPU 320, GPU 4000)")
-    p.add_argument("--max-new-tokens", type=int, help="answer length when regenerating (CPU 160, GPU 256)")
-    p.add_argument("--epochs", type=float, help="training epochs (CPU 6, GPU 10)")
-    p.add_argument("--draft-vocab-size", type=int, help="(CPU 4096, GPU 16384)")
-    p.add_argument("--ttt-steps", type=int, help="training-time-test unroll (CPU 5, GPU 7)")
+    p.add_argument("--prompts", type=int, help=f"ShareGPT prompts to regenerate ({_defaults('prompts')})")
+    p.add_argument("--max-new-tokens", type=int, help=f"answer length when regenerating ({_defaults('max_new_tokens')})")
+    p.add_argument("--epochs", type=float, help=f"training epochs ({_defaults('epochs')})")
+    p.add_argument("--draft-vocab-size", type=int, help=f"({_defaults('draft_vocab_size')})")
+    p.add_argument("--ttt-steps", type=int, help=f"training-time-test unroll ({_defaults('ttt_steps')})")
     p.add_argument("--k", type=int, default=5, help="draft tokens per step when evaluating (default: 5)")
-    p.add_argument("--eval-prompts", type=int, help="MT-Bench questions to evaluate on (CPU 6, GPU 80)")
-    p.add_argument("--eval-max-new-tokens", type=int, help="(CPU 96, GPU 256)")
-    p.add_argument("--batch-size", type=int, default=64, help="regeneration batch size (default: 64)")
+    p.add_argument("--eval-prompts", type=int, help=f"MT-Bench questions to evaluate on ({_defaults('eval_prompts')})")
+    p.add_argument("--eval-max-new-tokens", type=int, help=f"({_defaults('eval_max_new_tokens')})")
+    p.add_argument("--batch-size", type=int, help=f"regeneration batch size ({_defaults('batch_size')})")
     p.add_argument("--max-prompt-chars", type=int, default=600,
                    help="skip ShareGPT prompts longer than this: short prompts keep CPU runs short (default: 600)")
     p.add_argument("--json", action="store_true", help="print only the final JSON line on stdout")
@@ -59,7 +63,7 @@ def run(args) -> int:
     from ..capture.store import CaptureStore
     from ..data.datasets import load_conversations
     from ..data.regenerate import RegenConfig, regenerate_local
-    from ..engine.engine import SpeculativeEngine
+    from ..engine.fast import make_engine
     from ..evaluate import evaluate
     from ..models.formats import load_drafter
     from ..models.target import load_target
@@ -92,7 +96,7 @@ def run(args) -> int:
     pool = load_conversations("sharegpt", limit=max(4 * d["prompts"], 200), seed=0)
     convs = [c for c in pool if len(c.messages[0]["content"]) <= args.max_prompt_chars][: d["prompts"]]
     regenerate_local(target, convs, out / "regen.jsonl",
-                     RegenConfig(max_new_tokens=d["max_new_tokens"], single_turn=True), batch_size=args.batch_size)
+                     RegenConfig(max_new_tokens=d["max_new_tokens"], single_turn=True), batch_size=d["batch_size"])
     timings["regenerate"] = time.perf_counter() - t
 
     t = stage("3/5 capture hidden states")
@@ -113,7 +117,7 @@ def run(args) -> int:
 
     t = stage(f"5/5 evaluate on {d['eval_prompts']} MT-Bench questions (k={args.k})")
     drafter = load_drafter(drafter_dir, target, dtype=target.dtype)
-    engine = SpeculativeEngine(target, drafter=drafter, k=args.k)
+    engine = make_engine(target, drafter=drafter, k=args.k)  # the CUDA-graph engine where it applies
     questions = load_conversations("mt-bench", limit=d["eval_prompts"], seed=0)
     result = evaluate(engine, target.tokenizer, questions, max_new_tokens=d["eval_max_new_tokens"], compare_plain=True)
     timings["evaluate"] = time.perf_counter() - t

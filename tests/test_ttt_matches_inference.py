@@ -49,3 +49,39 @@ def test_chain_draft_equals_ttt_unroll(tiny_targets, arch, norm_output, norm_bef
         steps = [logits[0, P - 1] for logits in ttt_unroll(drafter, seq, aux, k)]
     torch.testing.assert_close(steps[0], proposer.last_logits, rtol=1e-4, atol=1e-4)
     assert [int(d2t[lg.argmax()]) for lg in steps] == drafts
+
+
+class _MemorySource:
+    def __init__(self, samples):
+        self.samples, self.lengths = samples, [len(s["input_ids"]) for s in samples]
+
+    def get(self, indices):
+        return [dict(self.samples[i]) for i in indices]
+
+
+def test_cached_target_argmax_gives_the_same_loss(tiny_targets):
+    """Training reuses each sample's target argmax after its first epoch: same loss, same counts."""
+    from specdec.train.ttt import Batch, TargetArgmaxCache, TargetHead, ttt_loss
+
+    target = tiny_targets["llama"]
+    drafter = random_drafter(target, seed=1, norm_output=False, norm_before_residual=False)
+    head = TargetHead.from_target(target)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for n in (9, 17, 5):  # different lengths: the batch is padded
+        ids = torch.randint(3, target.vocab_size, (n,), generator=g)
+        with torch.no_grad():
+            out = target.forward(ids[None], capture=True)
+        mask = torch.rand(n, generator=g) < 0.7
+        samples.append({"input_ids": ids.int(), "loss_mask": mask.to(torch.uint8),
+                        "aux_hidden": out.aux_hidden[0], "last_hidden": out.last_hidden[0]})
+    src = _MemorySource(samples)
+    cache = TargetArgmaxCache(src, head, "cpu")
+    order = [2, 0, 1]
+    fresh = ttt_loss(drafter, Batch.collate(src.get(order), "cpu"), head, steps=3)
+    first = ttt_loss(drafter, Batch.collate(cache.get(order), "cpu"), head, steps=3)
+    again = ttt_loss(drafter, Batch.collate(cache.get([1, 2, 0]), "cpu"), head, steps=3)  # from the cache
+    assert set(cache.known) == {0, 1, 2}
+    for out in (first, again):
+        torch.testing.assert_close(out.loss, fresh.loss)
+        assert torch.equal(out.counted, fresh.counted) and torch.equal(out.correct, fresh.correct)

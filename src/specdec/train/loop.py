@@ -25,7 +25,7 @@ from ..atomic import write_json
 from ..errors import SpecdecError
 from ..models.drafter import DrafterConfig, Eagle3Drafter
 from .data import global_batches, is_heldout
-from .ttt import Batch, TargetHead, ttt_loss
+from .ttt import Batch, TargetArgmaxCache, TargetHead, ttt_loss
 from .vocab import build_draft_vocab, count_tokens, coverage
 
 
@@ -62,8 +62,8 @@ class DrafterTTT(nn.Module):
         self.head = head  # not a parameter or buffer: frozen, never synchronised
         self.steps, self.decay = steps, decay
 
-    def forward(self, input_ids, loss_mask, aux_hidden, last_hidden, valid):
-        out = ttt_loss(self.drafter, Batch(input_ids, loss_mask, aux_hidden, last_hidden, valid),
+    def forward(self, input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax=None):
+        out = ttt_loss(self.drafter, Batch(input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax),
                        self.head, steps=self.steps, decay=self.decay)
         return out.loss, out.correct, out.step_correct, out.counted
 
@@ -159,7 +159,7 @@ def load_checkpoint(path: Path, model: Eagle3Drafter, opt, sched) -> dict:
 
 def _to(samples, device, dtype):
     b = Batch.collate(samples, device)
-    return b.input_ids, b.loss_mask, b.aux_hidden.to(dtype), b.last_hidden, b.valid
+    return b.input_ids, b.loss_mask, b.aux_hidden.to(dtype), b.last_hidden, b.valid, b.target_argmax
 
 
 @torch.no_grad()
@@ -211,6 +211,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     drafter.to(device)
     head = TargetHead.from_target(target).to(device)
     module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay).to(device)
+    argmax_cache = TargetArgmaxCache(source, head, device)
     wrapped = module
     if world > 1:
         wrapped = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None)
@@ -262,7 +263,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
                 if step >= total:
                     break
                 mine = gb[rank::world] or gb[:1]
-                samples = source.get(mine)
+                samples = argmax_cache.get(mine)
                 with autocast():
                     loss, correct, _, counted = wrapped(*_to(samples, device, dtype))
                 opt.zero_grad(set_to_none=True)
@@ -281,7 +282,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
                     tb.add_scalar("train/grad_norm", float(gnorm), step)
                     tb.add_scalar("train/tokens_per_s", rate, step)
                 if heldout and (step % cfg.eval_every == 0 or step == total):
-                    last_eval = {"step": step, **evaluate_heldout(module, source, heldout, cfg.batch_tokens, device, dtype, autocast)}
+                    last_eval = {"step": step, **evaluate_heldout(module, argmax_cache, heldout, cfg.batch_tokens, device, dtype, autocast)}
                     history.append(last_eval)
                     if rank == 0:
                         bar.console.print(

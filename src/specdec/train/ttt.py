@@ -47,6 +47,7 @@ class Batch:
     aux_hidden: torch.Tensor  # [B, L, 3*tH]
     last_hidden: torch.Tensor  # [B, L, H]
     valid: torch.Tensor  # [B, L] bool, real (non-pad) tokens
+    target_argmax: torch.Tensor | None = None  # [B, L] int64, -1 = not known (see TargetArgmaxCache)
 
     @classmethod
     def collate(cls, samples: list[dict], device) -> "Batch":
@@ -67,29 +68,69 @@ class Batch:
             valid[b, :n] = True
             aux[b, :n] = s["aux_hidden"]
             last[b, :n] = s["last_hidden"]
-        return cls(ids.to(device), mask.to(device), aux.to(device), last.to(device), valid.to(device))
+        top = None
+        if all("target_argmax" in s for s in samples):
+            top = torch.full((B, L), -1, dtype=torch.long)
+            for b, s in enumerate(samples):
+                top[b, : len(s["input_ids"])] = s["target_argmax"].long()
+            top = top.to(device)
+        return cls(ids.to(device), mask.to(device), aux.to(device), last.to(device), valid.to(device), top)
+
+
+@torch.no_grad()
+def target_argmax(head: TargetHead, last_hidden: torch.Tensor, rows: torch.Tensor | None = None,
+                  chunk: int = 1024) -> torch.Tensor:
+    """The target's full-vocab argmax [B, L] (int64) where `rows` [B, L] is set, -1 elsewhere.
+
+    This [*, H] x [H, V] product is the costliest part of a small drafter's training step (about a
+    third of it for SmolLM2 on a CPU), so training computes it once per sample and caches it.
+    """
+    normed = head.normed(last_hidden)  # shape: [B, L, H]
+    out = torch.full(last_hidden.shape[:2], -1, dtype=torch.long, device=last_hidden.device)
+    where = rows.nonzero(as_tuple=True) if rows is not None else None
+    flat = normed[where] if where is not None else normed.reshape(-1, normed.shape[-1])
+    top = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+    for i in range(0, flat.shape[0], chunk):  # never a [B*L, V] matrix
+        top[i : i + chunk] = (flat[i : i + chunk] @ head.lm_head.T).argmax(-1)
+    if where is not None:
+        out[where] = top
+    else:
+        out = top.view(last_hidden.shape[:2])
+    return out
 
 
 @torch.no_grad()
 def target_distribution(head: TargetHead, last_hidden: torch.Tensor, draft_ids: torch.Tensor,
-                        t2d: torch.Tensor, rows: torch.Tensor | None = None, chunk: int = 1024):
+                        t2d: torch.Tensor, rows: torch.Tensor | None = None,
+                        argmax: torch.Tensor | None = None):
     """(log-probs over the draft vocab [B, L, Vd], target argmax is in the draft vocab [B, L]).
 
-    The full-vocab argmax (the costly part) is computed only where `rows` [B, L] is set.
+    The full-vocab argmax is taken from `argmax` when given, else computed where `rows` is set.
     """
-    normed = head.normed(last_hidden)  # shape: [B, L, H]
-    draft_logits = normed @ head.lm_head[draft_ids].T  # shape: [B, L, Vd]
-    in_vocab = torch.zeros(last_hidden.shape[:2], dtype=torch.bool, device=last_hidden.device)
-    where = rows.nonzero(as_tuple=True) if rows is not None else None
-    flat = normed[where] if where is not None else normed.reshape(-1, normed.shape[-1])
-    hits = torch.empty(flat.shape[0], dtype=torch.bool, device=flat.device)
-    for i in range(0, flat.shape[0], chunk):  # never a [B*L, V] matrix
-        hits[i : i + chunk] = t2d[(flat[i : i + chunk] @ head.lm_head.T).argmax(-1)]
-    if where is not None:
-        in_vocab[where] = hits
-    else:
-        in_vocab = hits.view(last_hidden.shape[:2])
+    draft_logits = head.normed(last_hidden) @ head.lm_head[draft_ids].T  # shape: [B, L, Vd]
+    if argmax is None:
+        argmax = target_argmax(head, last_hidden, rows)
+    in_vocab = (argmax >= 0) & t2d[argmax.clamp(min=0)]
     return F.log_softmax(draft_logits, -1), in_vocab
+
+
+class TargetArgmaxCache:
+    """Per-sample target argmax, computed the first time a sample is drawn and reused after."""
+
+    def __init__(self, source, head: TargetHead, device):
+        self.source, self.head, self.device = source, head, device
+        self.lengths = source.lengths
+        self.known: dict[int, torch.Tensor] = {}
+
+    def get(self, indices: list[int]) -> list[dict]:
+        samples = self.source.get(indices)
+        for i, s in zip(indices, samples):
+            if i not in self.known:
+                rows = torch.as_tensor(s["loss_mask"]).bool().roll(-1, 0)[None].to(self.device)
+                last = s["last_hidden"][None].to(self.device)
+                self.known[i] = target_argmax(self.head, last, rows)[0].to("cpu", torch.int32)
+            s["target_argmax"] = self.known[i]
+        return samples
 
 
 @dataclass
@@ -109,7 +150,8 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
     draft_ids = raw.draft_to_target
     # last_hidden[j-1] gives the distribution of token j; only assistant tokens j are scored.
     needed = batch.loss_mask.roll(-1, dims=1) & batch.valid
-    logp_target, in_vocab = target_distribution(head, batch.last_hidden, draft_ids, raw.t2d, needed)
+    logp_target, in_vocab = target_distribution(head, batch.last_hidden, draft_ids, raw.t2d, needed,
+                                                batch.target_argmax)
     # Positions j = t + 2 + s whose token is an assistant token the draft vocab can express.
     scored = batch.loss_mask & in_vocab.roll(1, dims=1) & batch.valid
     loss = torch.zeros((), device=dev)

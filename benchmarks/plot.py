@@ -90,7 +90,36 @@ def plot_smollm2() -> None:
     fig.savefig(R / "h200_smollm2.png", dpi=110)
 
 
+def plot_recipes() -> None:
+    """Drafter recipes at CPU size (H200) and the GPU quickstart's held-out curve."""
+    import re
+
+    rows = [json.loads(line) for line in (R / "h200_drafter_recipes.jsonl").read_text().splitlines() if line]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
+    names = [r["recipe"] for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["simulated_al"] for r in rows], 0.4, label="held-out simulated")
+    ax.bar([i + 0.2 for i in x], [r["measured_al_k5"] for r in rows], 0.4, label="measured, MT-Bench, k=5")
+    ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylim(1.0, max(r["simulated_al"] for r in rows) + 0.15)
+    ax.axhline(2.0, color="grey", ls="--", lw=0.8)
+    ax.set_ylabel("mean acceptance length")
+    ax.set_title("SmolLM2-135M, 33K-token CPU-size capture")
+    ax.legend(fontsize=8)
+    log = (R / "h200_quickstart_gpu.log").read_text()
+    sims = [float(v) for v in re.findall(r"simulated acceptance length ([0-9.]+)", log)]
+    steps = [50 * (i + 1) for i in range(len(sims))]
+    bx.plot(steps, sims, marker="o")
+    bx.axhline(2.0, color="grey", ls="--", lw=0.8)
+    bx.set_xlabel("optimizer step (16,384 tokens per batch, 95 per epoch)")
+    bx.set_ylabel("held-out simulated acceptance length")
+    bx.set_title("GPU quickstart: 4,000 prompts, 1.04M tokens")
+    fig.tight_layout()
+    fig.savefig(R / "h200_drafter_recipes.png", dpi=120)
+
+
 if __name__ == "__main__":
     plot_8b()
     plot_smollm2()
+    plot_recipes()
     print("wrote", *sorted(p.name for p in R.glob("*.png")))

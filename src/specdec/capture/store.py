@@ -446,13 +446,15 @@ class CaptureStore:
             self._offsets[si] = h.get_tensor("offsets").tolist()
         return h
 
-    def sample(self, i: int) -> dict[str, torch.Tensor]:
+    def sample(self, i: int, names: tuple[str, ...] = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
+               ) -> dict[str, torch.Tensor]:
+        """Sample i's tensors; `names` picks a subset (ids and mask alone read ~1/1000 of the bytes)."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} out of range for a capture of {len(self)} samples")
         loc = self._locs[i]
         h = self._open(loc.shard)
         a, b = self._offsets[loc.shard][loc.index], self._offsets[loc.shard][loc.index + 1]
-        return {name: h.get_slice(name)[a:b] for name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")}
+        return {name: h.get_slice(name)[a:b] for name in names}
 
     def lengths(self) -> list[int]:
         """Token count of every sample, in index order (reads only each shard's offsets)."""

@@ -199,3 +199,22 @@ def test_doctor_runs_on_a_real_engine(tiny, capture_dir, tmp_path):
     names = [r["hypothesis"] for r in result["rows"]]
     assert names[0] == "as configured" and "aux ids -1" in names and "identity d2t" in names
     assert all(r["mean_acceptance_length"] >= 1.0 for r in result["rows"])
+
+
+def test_steps_walk_epochs_of_different_sizes():
+    """Epochs pack into different numbers of batches; every step must land inside one, in order
+    (locating steps by epoch 0's size once left training spinning forever at an epoch's end)."""
+    import random
+
+    from specdec.train.data import batches_at, global_batches
+
+    rng = random.Random(0)
+    lengths = [rng.randint(20, 250) for _ in range(300)]
+    idx = list(range(300))
+    sizes = [len(global_batches(idx, lengths, 256, seed=0, epoch=e)) for e in range(4)]
+    assert len(set(sizes)) > 1  # the case that matters is present
+    walked = [batches_at(s, idx, lengths, 256, seed=0) for s in range(sum(sizes))]
+    expected = [(e, p) for e in range(4) for p in range(sizes[e])]
+    assert [(e, p) for e, p, _ in walked] == expected
+    assert all(p < len(b) for _, p, b in walked)
+    assert sorted(i for e, p, b in walked if e == 1 for i in b[p]) == idx  # an epoch sees every sample once

@@ -86,3 +86,21 @@ def global_batches(indices: list[int], lengths: list[int], batch_tokens: int, *,
         batches.append(cur)
     perm = torch.randperm(len(batches), generator=g).tolist()
     return [batches[p] for p in perm]
+
+
+def batches_at(step: int, indices: list[int], lengths: list[int], batch_tokens: int, *, seed: int
+               ) -> tuple[int, int, list[list[int]]]:
+    """(epoch, position in it, that epoch's batches) of global optimizer step `step`.
+
+    Epochs pack into different numbers of batches (the shuffle changes which lengths share a
+    batch), so the step is located by walking the epochs' actual sizes, never by dividing by
+    epoch 0's size: that leaves steps pointing past the end of a shorter epoch.
+    """
+    epoch, start = 0, 0
+    while True:
+        batches = global_batches(indices, lengths, batch_tokens, seed=seed, epoch=epoch)
+        if step < start + len(batches):
+            return epoch, step - start, batches
+        start += len(batches)
+        epoch += 1
+

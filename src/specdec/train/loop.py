@@ -24,7 +24,7 @@ from torch import nn
 from ..atomic import write_json
 from ..errors import SpecdecError
 from ..models.drafter import DrafterConfig, Eagle3Drafter
-from .data import global_batches, is_heldout
+from .data import batches_at, global_batches, is_heldout
 from .ttt import Batch, TargetArgmaxCache, TargetHead, ttt_loss
 from .vocab import build_draft_vocab, count_tokens, coverage
 
@@ -257,8 +257,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     last_eval: dict = history[-1] if history else {}
     with bar:
         while step < total:
-            epoch, pos = divmod(step, per_epoch)
-            batches = global_batches(train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed, epoch=epoch)
+            _, pos, batches = batches_at(step, train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed)
             for gb in batches[pos:]:
                 if step >= total:
                     break

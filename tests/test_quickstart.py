@@ -20,6 +20,7 @@ def test_quickstart_runs_and_resumes(tmp_path):
     for key in ("mean_acceptance_length", "per_position_acceptance", "tokens_per_s", "plain_tokens_per_s", "speedup"):
         assert key in line
     assert len(line["per_position_acceptance"]) == 5 and line["mean_acceptance_length"] >= 1.0
+    assert line["tree"]["depth"] == 5 and 1.0 <= line["tree"]["mean_acceptance_length"] <= 6.0
     assert (out / "train" / "drafter" / "config.json").exists()
     regen = (out / "regen.jsonl").read_text().splitlines()
     again = subprocess.run([sys.executable, "-m", "specdec", "quickstart", "--out", str(out), *ARGS],

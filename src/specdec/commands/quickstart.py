@@ -11,7 +11,7 @@ with training-time test, then measure it on MT-Bench against plain decoding and 
 (acceptance per position, mean acceptance length, tok/s without and with the drafter, speedup)
 ending with one JSON line. Every stage resumes: run the same command again after a crash.
 
-Defaults finish in about 20 minutes on a 2-core CPU; with CUDA they use more data.
+Defaults finish in about 13 minutes on a 2-core CPU; with CUDA they use more data.
 
 examples:
   specdec quickstart
@@ -19,7 +19,7 @@ examples:
   specdec quickstart --target tiny-llama --prompts 8 --eval-prompts 2 --max-new-tokens 16   # smoke test
 """
 
-# CPU: sized for ~15 minutes on 2 cores. Small batches at a higher learning rate: on the same
+# CPU: 13 minutes on 2 cores (measured; the bar is 20). Small batches at a higher learning rate: on the same
 # 33K-token capture, 4 epochs at 256 tokens/batch and lr 3e-3 gave a held-out simulated
 # acceptance length of 1.41 against 1.31 at 1024 tokens and lr 1e-3 (benchmarks/drafter_recipes.py).
 CPU = dict(prompts=320, max_new_tokens=128, epochs=6.0, draft_vocab_size=2048, ttt_steps=4, lr=3e-3,

@@ -8,8 +8,8 @@ DESCRIPTION = """\
 The main job, end to end, on SmolLM2-135M-Instruct (no hub needed): fetch the model, let it
 answer ShareGPT prompts (self-distillation), capture its hidden states, train an EAGLE-3 drafter
 with training-time test, then measure it on MT-Bench against plain decoding and print a table
-(acceptance per position, mean acceptance length, tok/s without and with the drafter, speedup)
-ending with one JSON line. Every stage resumes: run the same command again after a crash.
+(acceptance per position, mean acceptance length, tok/s without and with the drafter, speedup;
+then the same drafter drafting an EAGLE-2 dynamic tree) ending with one JSON line. Every stage resumes: run the same command again after a crash.
 
 Defaults finish in about 13 minutes on a 2-core CPU; with CUDA they use more data.
 

@@ -37,6 +37,7 @@ def register(subparsers) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: 1e-3)")
     p.add_argument("--warmup", type=float, default=0.05, help="warmup fraction of all steps (default: 0.05)")
     p.add_argument("--grad-clip", type=float, default=0.5)
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default: 0)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per optimizer step (default: 8192)")
     p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll (default: 7)")
     p.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight decay per step (default: 0.8)")
@@ -102,6 +103,7 @@ def run(args) -> int:
     target = load_target(args.target, device=device)
     source = load_source(args, target)
     cfg = TrainConfig(out=args.output, epochs=args.epochs, lr=args.lr, warmup=args.warmup, grad_clip=args.grad_clip,
+                      weight_decay=args.weight_decay,
                       batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, ttt_decay=args.ttt_decay,
                       draft_vocab_size=args.draft_vocab_size, eval_percent=args.eval_percent,
                       eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,

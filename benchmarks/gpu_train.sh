@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Training on the H200, in calls of under 10 minutes made back to back on one warm machine.
+# Training on the H200, in parts of under 10 minutes each, run back to back on the same machine.
 #
 #   bash benchmarks/gpu_train.sh a   # stage the first GGUF half and the prompt data in /root
 #   bash benchmarks/gpu_train.sh b   # second half -> SmolLM2 folder; training recipes at CPU size
@@ -29,7 +29,7 @@ case "$1" in
     ls -la /root/m "$SPECDEC_HOME/data"
     ;;
   b)
-    [ -f /root/m/part0 ] || { echo "first GGUF half missing: the machine went cold between calls"; exit 3; }
+    [ -f /root/m/part0 ] || { echo "first GGUF half missing: the machine was replaced between parts"; exit 3; }
     mkdir -p "$GGUF_DIR"
     cat /root/m/part0 .devdata/p2/part1 > "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
     echo "$SHA  $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4

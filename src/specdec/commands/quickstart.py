@@ -9,7 +9,8 @@ The main job, end to end, on SmolLM2-135M-Instruct (no hub needed): fetch the mo
 answer ShareGPT prompts (self-distillation), capture its hidden states, train an EAGLE-3 drafter
 with training-time test, then measure it on MT-Bench against plain decoding and print a table
 (acceptance per position, mean acceptance length, tok/s without and with the drafter, speedup;
-then the same drafter drafting an EAGLE-2 dynamic tree) ending with one JSON line. Every stage resumes: run the same command again after a crash.
+then the same drafter drafting an EAGLE-2 dynamic tree) ending with one JSON line. Every stage
+resumes: run the same command again after a crash.
 
 Defaults finish in about 13 minutes on a 2-core CPU; with CUDA they use more data.
 
@@ -19,8 +20,8 @@ examples:
   specdec quickstart --target tiny-llama --prompts 8 --eval-prompts 2 --max-new-tokens 16   # smoke test
 """
 
-# CPU: 13 minutes on 2 cores (measured; the bar is 20). Small batches at a higher learning rate: on the same
-# 33K-token capture, 4 epochs at 256 tokens/batch and lr 3e-3 gave a held-out simulated
+# CPU: 13 minutes on 2 cores (measured; the bar is 20). Small batches at a higher learning rate:
+# on the same 33K-token capture, 4 epochs at 256 tokens/batch and lr 3e-3 gave a held-out simulated
 # acceptance length of 1.41 against 1.31 at 1024 tokens and lr 1e-3 (benchmarks/drafter_recipes.py).
 CPU = dict(prompts=320, max_new_tokens=128, epochs=6.0, draft_vocab_size=2048, ttt_steps=4, lr=3e-3,
            eval_prompts=5, eval_max_new_tokens=96, max_length=384, batch_tokens=256, batch_size=64,
@@ -129,14 +130,15 @@ def run(args) -> int:
     t = stage(f"5/5 evaluate on {d['eval_prompts']} MT-Bench questions (k={args.k})")
     drafter = load_drafter(drafter_dir, target, dtype=target.dtype)
     # The CUDA-graph engine where it applies, so the tok/s columns are the fast path's.
-    engine = make_engine(target, drafter=drafter, k=args.k, fast=False if args.reference else None)
+    fast = False if args.reference else None
+    engine = make_engine(target, drafter=drafter, k=args.k, fast=fast)
     questions = load_conversations("mt-bench", limit=d["eval_prompts"], seed=0)
     result = evaluate(engine, target.tokenizer, questions, max_new_tokens=d["eval_max_new_tokens"], compare_plain=True)
     tree = None
     depth = args.k if args.tree_depth is None else args.tree_depth
     if depth > 0:
         tcfg = TreeConfig(depth=depth, top_k=8, total_tokens=48)
-        tree_engine = make_engine(target, drafter=drafter, k=args.k, tree=tcfg, fast=False if args.reference else None)
+        tree_engine = make_engine(target, drafter=drafter, k=args.k, tree=tcfg, fast=fast)
         r = evaluate(tree_engine, target.tokenizer, questions, max_new_tokens=d["eval_max_new_tokens"])
         tree = {"depth": depth, "top_k": 8, "tokens": 48, "mean_acceptance_length": r["mean_acceptance_length"],
                 "tokens_per_s": r["tokens_per_s"],

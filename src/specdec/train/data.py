@@ -103,4 +103,3 @@ def batches_at(step: int, indices: list[int], lengths: list[int], batch_tokens: 
             return epoch, step - start, batches
         start += len(batches)
         epoch += 1
-

@@ -255,9 +255,13 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     task = bar.add_task("train", total=total, completed=step, stats="")
     tokens_seen, t0 = 0, time.perf_counter()
     last_eval: dict = history[-1] if history else {}
+    # Located once (a resume may start mid-epoch), then walked forward one epoch at a time.
+    epoch, pos, batches = batches_at(step, train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed)
     with bar:
         while step < total:
-            _, pos, batches = batches_at(step, train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed)
+            if pos >= len(batches):
+                epoch, pos = epoch + 1, 0
+                batches = global_batches(train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed, epoch=epoch)
             for gb in batches[pos:]:
                 if step >= total:
                     break
@@ -296,6 +300,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
                     save_checkpoint(out, step, drafter, opt, sched,
                                     {"step": step, "total": total, "history": history, "config": asdict(cfg)},
                                     cfg.keep_checkpoints)
+            pos = len(batches)  # this epoch is done
     if world > 1:
         dist.barrier()
     summary = {"steps": step, "tokens_per_s": tokens_seen / max(1e-9, time.perf_counter() - t0),

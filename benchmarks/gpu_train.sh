@@ -2,9 +2,10 @@
 # Training on the H200, in parts of under 10 minutes each, run back to back on the same machine.
 #
 #   bash benchmarks/gpu_train.sh a   # stage the first GGUF half and the prompt data in /root
-#   bash benchmarks/gpu_train.sh b   # second half -> SmolLM2 folder; training recipes at CPU size
-#   bash benchmarks/gpu_train.sh c   # `specdec quickstart` with the GPU defaults (resumes if cut)
-#   bash benchmarks/gpu_train.sh d   # finish c if needed; `specdec bench` with its drafter
+#   bash benchmarks/gpu_train.sh b   # second half -> SmolLM2 folder; start `specdec quickstart` (GPU defaults)
+#   bash benchmarks/gpu_train.sh c   # the quickstart goes on (every stage resumes)
+#   bash benchmarks/gpu_train.sh d   # the quickstart finishes; its drafter comes home; `specdec bench` with it
+#   bash benchmarks/gpu_train.sh r   # (after b, instead of c/d) training recipes at the CPU data size
 #
 # A machine without PyPI access gets the SmolLM2 GGUF in two halves (.devdata/p1/part0,
 # .devdata/p2/part1), the prompt sets as a SPECDEC_HOME data folder (.devdata/home/data) and the
@@ -34,22 +35,34 @@ case "$1" in
     cat /root/m/part0 .devdata/p2/part1 > "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
     echo "$SHA  $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
     specdec models fetch smollm2-135m-instruct 2>&1 | tail -2
+    # The GPU quickstart starts here and resumes in c and d (each stage picks up where it stopped).
+    timeout "${QS_S:-500}" python3 -m specdec quickstart --out /root/qs-gpu > "$OUT/quickstart_gpu_b.log" 2>&1
+    grep -v Warning "$OUT/quickstart_gpu_b.log" | tail -30
+    ;;
+  r)
+    # Training recipes at the CPU quickstart's data size (BENCHMARKS.md, "Drafter training recipes").
     timeout 480 python3 benchmarks/drafter_recipes.py --out "$OUT" --budget-s 400 2>&1 \
       | grep -v Warning | tee "$OUT/drafter_recipes.log"
     ;;
   c)
-    timeout 560 python3 -m specdec quickstart --out /root/qs-gpu > "$OUT/quickstart_gpu.log" 2>&1 \
-      || timeout 120 python3 -m specdec quickstart --out /root/qs-gpu --reference > "$OUT/quickstart_gpu_reference.log" 2>&1
-    grep -v Warning "$OUT"/quickstart_gpu*.log | tail -60
+    timeout "${QS_S:-560}" python3 -m specdec quickstart --out /root/qs-gpu > "$OUT/quickstart_gpu_c.log" 2>&1
+    grep -v Warning "$OUT/quickstart_gpu_c.log" | tail -40
     ;;
   d)
-    if [ ! -f /root/qs-gpu/train/train_summary.json ] || ! grep -q mean_acceptance_length "$OUT/quickstart_gpu.log" 2>/dev/null; then
-      timeout 300 python3 -m specdec quickstart --out /root/qs-gpu 2>&1 | grep -v Warning | tail -40 \
-        | tee "$OUT/quickstart_gpu_resume.log"
+    if ! tail -1 /root/qs-gpu/quickstart.jsonl 2>/dev/null | grep -q mean_acceptance_length; then
+      timeout "${QS_S:-400}" python3 -m specdec quickstart --out /root/qs-gpu --json \
+        > /root/qs-gpu/quickstart.jsonl 2> "$OUT/quickstart_gpu_d.log" \
+        || timeout 200 python3 -m specdec quickstart --out /root/qs-gpu --json --reference \
+        > /root/qs-gpu/quickstart.jsonl 2> "$OUT/quickstart_gpu_d_reference.log"
     fi
-    cp /root/qs-gpu/train/train_summary.json "$OUT/" 2>/dev/null
-    timeout 240 python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
-      --limit 10 --max-new-tokens 256 --out "$OUT/bench_eagle3_gpu.json" 2>&1 | grep -v Warning | tail -40 \
+    grep -v Warning "$OUT"/quickstart_gpu_d*.log | tail -40
+    cp /root/qs-gpu/quickstart.jsonl /root/qs-gpu/train/train_summary.json "$OUT/" 2>/dev/null
+    cat "$OUT/quickstart.jsonl"
+    # The drafter comes home in pieces of < 16 MiB.
+    tar -C /root/qs-gpu/train -cf /root/drafter.tar drafter && split -b 15M /root/drafter.tar "$OUT/drafter.tar.part."
+    sha256sum /root/drafter.tar | tee "$OUT/drafter.tar.sha256"
+    timeout "${BENCH_S:-280}" python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
+      --limit 5 --max-new-tokens 256 --out "$OUT/bench_eagle3_gpu.json" 2>&1 | grep -v Warning | tail -40 \
       | tee "$OUT/bench_eagle3_gpu.log"
     ;;
 esac

@@ -152,12 +152,25 @@ class Eagle3Attention(nn.Module):
         past = cache.length if cache is not None else 0
         if cache is not None:
             k, v = cache.append(k, v)
-        if mask is None and past > 0:
+        if mask is None:
             mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and t > 1, enable_gqa=True
-        )  # shape: [B, nh, T, hd]
+        out = small_query_attention(q, k, v, mask)  # shape: [B, nh, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Drafting attention: q [B, nh, T, hd] (a few rows) against the cache k, v [B, kvh, S, hd];
+    mask bool [T, S], True = may attend. Query heads are grouped onto their KV head, so this is
+    two batched matrix products and a softmax whatever S is. (F.scaled_dot_product_attention
+    picks a backend per call; see benchmarks/drafter_step.py for what that cost on an H200.)"""
+    b, nh, t, hd = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    g = nh // kvh
+    scores = q.reshape(b, kvh, g * t, hd) @ k.transpose(-1, -2)  # shape: [B, kvh, g*T, S]
+    scores = scores.view(b, kvh, g, t, s).float() * hd**-0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    p = scores.softmax(-1).to(v.dtype).view(b, kvh, g * t, s)
+    return (p @ v).view(b, nh, t, hd)
 
 
 class Eagle3Layer(nn.Module):

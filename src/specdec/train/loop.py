@@ -1,6 +1,6 @@
 """`specdec train`: the EAGLE-3 drafter training loop.
 
-AdamW with linear warmup and cosine decay, gradient clipping, bf16 autocast on GPU, checkpoints
+AdamW with linear warmup and cosine decay, gradient clipping, bf16 autocast on GPU and on CPUs with native bf16, checkpoints
 written atomically (a folder renamed into place) with exact `--resume`, and every eval interval
 the per-position accuracy and a simulated acceptance length on a held-out split, printed and
 sent to TensorBoard. Under torchrun the drafter is wrapped in DDP (gloo on CPU, NCCL on GPU).
@@ -24,6 +24,7 @@ from torch import nn
 from ..atomic import write_json
 from ..errors import SpecdecError
 from ..models.drafter import DrafterConfig, Eagle3Drafter
+from ..precision import compute_dtype
 from .data import batches_at, global_batches, is_heldout
 from .ttt import Batch, TargetArgmaxCache, TargetHead, ttt_loss
 from .vocab import build_draft_vocab, count_tokens, coverage
@@ -50,6 +51,7 @@ class TrainConfig:
     max_steps: int | None = None
     rebuild_vocab: bool = False
     norm_before_residual: bool = False
+    bf16: bool | None = None  # bf16 autocast; None: where precision.compute_dtype says bf16
     extra: dict = field(default_factory=dict)
 
 
@@ -230,10 +232,11 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         step, history = state["step"], state.get("history", [])
         info["resumed_from"] = str(ckpt)
         log(f"specdec train: resuming from {ckpt} (step {step}/{total})")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    bf16 = compute_dtype(device) == torch.bfloat16 if cfg.bf16 is None else cfg.bf16
+    dtype = torch.bfloat16 if bf16 else torch.float32
 
-    def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    def autocast():  # fp32 master weights and optimizer state; matrix products in bf16
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
     tb = None
     if rank == 0:

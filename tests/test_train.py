@@ -105,6 +105,11 @@ def test_kill_9_then_resume_is_exact(tiny, capture_dir, tmp_path):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
     assert json.loads((killed / "train_summary.json").read_text())["steps"] == 24
+    # Checkpoints leave out the frozen embedding (the target's); the resume above restored it.
+    from safetensors import safe_open
+
+    with safe_open(str(killed / "checkpoints" / "step-24" / "drafter.safetensors"), "pt") as f:
+        assert "embed_tokens.weight" not in f.keys() and "fc.weight" in f.keys()
 
 
 def test_vocab_mapping_survives_init(tiny, capture_dir, tmp_path):

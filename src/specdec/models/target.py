@@ -207,16 +207,15 @@ def load_target(
     """Load a target from a registry name, a local HF folder, a .gguf file, or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..precision import parse_dtype
     from .registry import resolve_model_path
 
     folder, gguf_file = resolve_model_path(source)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype is None:
+    if dtype is None:  # "auto" also picks bf16 on CPUs with native bf16 (see specdec.precision)
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    if isinstance(dtype, str):
-        dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                 "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[dtype]
+    dtype = parse_dtype(dtype, device)
     kwargs = {"dtype": dtype}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file

@@ -106,8 +106,8 @@ def make_drafter(target, source, cfg: TrainConfig, init: str | None) -> tuple[Ea
                                         norm_before_residual=cfg.norm_before_residual)
         torch.manual_seed(cfg.seed)
         drafter = Eagle3Drafter(dcfg)
+        copy_target_embedding(drafter, target)
         with torch.no_grad():
-            drafter.embed_tokens.weight.copy_(target.embed_tokens().weight.float().cpu())
             ids = build_draft_vocab(masked, dcfg.draft_vocab_size, every, target.eos_token_ids)
             drafter.set_vocab_mapping(ids)
             # Start the output head where the target's is: same final norm, same rows.
@@ -133,7 +133,10 @@ def save_checkpoint(out: Path, step: int, model: Eagle3Drafter, opt, sched, stat
     tmp = out / "checkpoints" / f".step-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / "drafter.safetensors"))
+    # Not the frozen embedding: it is the target's (113 MB of a SmolLM2 checkpoint's 180 MB in
+    # fp32, 2.1 GB for a Llama-3-8B target's vocab), and a resume copies it from the target again.
+    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k != FROZEN}
+    save_file(weights, str(tmp / "drafter.safetensors"))
     torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "optimizer.pt")
     write_json(tmp / "drafter_config.json", model.cfg.to_dict())
     write_json(tmp / "state.json", state)  # last: its presence marks a complete checkpoint
@@ -148,10 +151,21 @@ def save_checkpoint(out: Path, step: int, model: Eagle3Drafter, opt, sched, stat
     return final
 
 
+FROZEN = "embed_tokens.weight"  # the drafter's one frozen tensor, a copy of the target's
+
+
+def copy_target_embedding(drafter: Eagle3Drafter, target) -> None:
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(target.embed_tokens().weight.float().cpu())
+
+
 def load_checkpoint(path: Path, model: Eagle3Drafter, opt, sched) -> dict:
     from safetensors.torch import load_file
 
-    model.load_state_dict(load_file(str(path / "drafter.safetensors")))
+    missing, unexpected = model.load_state_dict(load_file(str(path / "drafter.safetensors")), strict=False)
+    if unexpected or set(missing) - {FROZEN}:
+        raise SpecdecError(f"checkpoint {path} does not match the drafter: missing {missing[:4]}, "
+                           f"unexpected {unexpected[:4]}; start again without --resume or pick the right --out")
     # Our own file, still read without unpickling arbitrary objects.
     st = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     opt.load_state_dict(st["optimizer"])
@@ -210,6 +224,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     if ckpt:
         saved = DrafterConfig(**json.loads((ckpt / "drafter_config.json").read_text()))
         drafter = Eagle3Drafter(saved)
+        copy_target_embedding(drafter, target)
     drafter.to(device)
     head = TargetHead.from_target(target).to(device)
     module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay).to(device)

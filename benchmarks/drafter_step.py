@@ -4,9 +4,9 @@ SmolLM2-135M-shaped drafter (random weights, draft vocab 16,384), bf16, one sequ
 cache grows by two positions per round as in decoding at acceptance length ~2. Variants of the
 drafter's attention call:
   sdpa       F.scaled_dot_product_attention as torch picks its backend
-  no-cudnn   the same call with the cuDNN backend excluded
-  explicit   the drafter's own attention (specdec.models.drafter.small_query_attention)
-The profile that follows is of the sdpa variant.
+  no-cudnn   the same call with the cuDNN backend excluded (the drafter's, small_query_attention)
+  explicit   grouped-query matmul, softmax, matmul written out
+Profiles follow for sdpa and explicit.
 
   python benchmarks/drafter_step.py --out benchmarks/results
 """
@@ -70,8 +70,15 @@ def main() -> int:
     def via(fn):
         return lambda q, k, v, mask: fn(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    explicit = drafter_mod.small_query_attention
-    variants = {"explicit": explicit, "sdpa": via(sdpa), "no-cudnn": via(no_cudnn)}
+    def explicit(q, k, v, mask):
+        b, nh, t, hd = q.shape
+        kvh, s = k.shape[1], k.shape[2]
+        g = nh // kvh
+        scores = (q.reshape(b, kvh, g * t, hd) @ k.transpose(-1, -2)).view(b, kvh, g, t, s).float() * hd**-0.5
+        p = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype).view(b, kvh, g * t, s)
+        return (p @ v).view(b, nh, t, hd)
+
+    variants = {"explicit": explicit, "sdpa": via(sdpa), "no-cudnn": drafter_mod.small_query_attention}
     for name, fn in variants.items():
         drafter_mod.small_query_attention = fn
         prop = Eagle3Proposer(d, k=5)

@@ -12,7 +12,8 @@ with training-time test, then measure it on MT-Bench against plain decoding and 
 then the same drafter drafting an EAGLE-2 dynamic tree) ending with one JSON line. Every stage
 resumes: run the same command again after a crash.
 
-Defaults finish in about 13 minutes on a 2-core CPU; with CUDA they use more data.
+Defaults finish in about 8 minutes on a 2-core CPU with native bf16 (AVX512-BF16 or AMX; about 14
+in fp32 elsewhere); with CUDA they use more data.
 
 examples:
   specdec quickstart
@@ -20,11 +21,13 @@ examples:
   specdec quickstart --target tiny-llama --prompts 8 --eval-prompts 2 --max-new-tokens 16   # smoke test
 """
 
-# CPU: 13 minutes on 2 cores (measured; the bar is 20). Small batches at a higher learning rate:
-# on the same 33K-token capture, 4 epochs at 256 tokens/batch and lr 3e-3 gave a held-out simulated
-# acceptance length of 1.41 against 1.31 at 1024 tokens and lr 1e-3 (benchmarks/drafter_recipes.py).
+# CPU: 2 cores, measured: ~8 minutes where the CPU has native bf16, ~14 in fp32; the bar is 20.
+# Small batches at a higher learning rate: on the same 33K-token capture, 4 epochs at 256
+# tokens/batch and lr 3e-3 gave a held-out simulated acceptance length of 1.41 against 1.31 at
+# 1024 tokens and lr 1e-3 (benchmarks/drafter_recipes.py). Twice the prompts changed nothing
+# measurable (BENCHMARKS.md), so the time bf16 saves goes to 10 evaluation prompts instead of 5.
 CPU = dict(prompts=320, max_new_tokens=128, epochs=6.0, draft_vocab_size=2048, ttt_steps=4, lr=3e-3,
-           eval_prompts=5, eval_max_new_tokens=96, max_length=384, batch_tokens=256, batch_size=64,
+           eval_prompts=10, eval_max_new_tokens=96, max_length=384, batch_tokens=256, batch_size=64,
            eval_every=200)
 GPU = dict(prompts=4000, max_new_tokens=256, epochs=10.0, draft_vocab_size=16384, ttt_steps=7, lr=1e-3,
            eval_prompts=20, eval_max_new_tokens=256, max_length=2048, batch_tokens=16384, batch_size=256,
@@ -174,6 +177,7 @@ def run(args) -> int:
         "per_position_acceptance": result["per_position_acceptance"],
         "tokens_per_s": result["tokens_per_s"], "plain_tokens_per_s": result.get("plain_tokens_per_s"),
         "speedup": result.get("speedup"), "tree": tree, "device": str(target.device),
+        "dtype": str(target.dtype).removeprefix("torch."),
         "seconds": {k: round(v, 1) for k, v in timings.items()},
     }
     print(json.dumps(line))

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
@@ -27,6 +28,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+
+_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 @dataclass(kw_only=True)
 class DrafterConfig:
@@ -160,17 +163,13 @@ class Eagle3Attention(nn.Module):
 
 def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Drafting attention: q [B, nh, T, hd] (a few rows) against the cache k, v [B, kvh, S, hd];
-    mask bool [T, S], True = may attend. Query heads are grouped onto their KV head, so this is
-    two batched matrix products and a softmax whatever S is. (F.scaled_dot_product_attention
-    picks a backend per call; see benchmarks/drafter_step.py for what that cost on an H200.)"""
-    b, nh, t, hd = q.shape
-    kvh, s = k.shape[1], k.shape[2]
-    g = nh // kvh
-    scores = q.reshape(b, kvh, g * t, hd) @ k.transpose(-1, -2)  # shape: [B, kvh, g*T, S]
-    scores = scores.view(b, kvh, g, t, s).float() * hd**-0.5
-    scores = scores.masked_fill(~mask, float("-inf"))
-    p = scores.softmax(-1).to(v.dtype).view(b, kvh, g * t, s)
-    return (p @ v).view(b, nh, t, hd)
+    mask bool [T, S], True = may attend.
+
+    cuDNN attention is excluded: it builds an execution plan for every new key length, and while
+    drafting each call has a new one (H200: 140 ms per drafting round against 9 ms without it;
+    benchmarks/drafter_step.py)."""
+    with sdpa_kernel(_NO_CUDNN):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 class Eagle3Layer(nn.Module):

@@ -6,7 +6,11 @@ drafter's attention call:
   sdpa       F.scaled_dot_product_attention as torch picks its backend
   no-cudnn   the same call with the cuDNN backend excluded (the drafter's, small_query_attention)
   explicit   grouped-query matmul, softmax, matmul written out
-Profiles follow for sdpa and explicit.
+then StaticChainDrafter (the same drafter, fixed shapes, two CUDA graphs per round) against the
+eager proposer: ms per round and whether the drafts agree. Profiles follow for sdpa and explicit.
+With --e2e, also FastEngine on a random SmolLM2-shaped target (byte tokenizer): ms per step of
+plain decoding and of EAGLE-3 chains (k = 5, eager proposer and StaticChainDrafter); random
+weights accept nothing, so a step is one verify of 6 tokens plus one drafting round.
 
   python benchmarks/drafter_step.py --out benchmarks/results
 """
@@ -28,6 +32,7 @@ from transformers import LlamaConfig  # noqa: E402
 import specdec.models.drafter as drafter_mod  # noqa: E402
 from specdec.engine.api import SamplingParams  # noqa: E402
 from specdec.engine.eagle import Eagle3Proposer  # noqa: E402
+from specdec.engine.eagle_graph import StaticChainDrafter  # noqa: E402
 from specdec.models.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 
 SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
@@ -49,11 +54,79 @@ def rounds(prop: Eagle3Proposer, n: int, k: int, dev) -> float:
     return (time.perf_counter() - t) / n
 
 
+def static_rounds(st: StaticChainDrafter, eager: Eagle3Proposer | None, n: int, dev) -> tuple[float, float]:
+    """ms per round of the static drafter; with `eager`, the share of rounds whose drafts agree."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    aux = torch.randn(64, 3 * 576, generator=g).to(dev, torch.bfloat16)
+    ids = torch.randint(0, 49152, (64,), generator=g).to(dev)
+    st.begin(aux, ids)
+    if eager is not None:
+        eager.reset(4096)
+        eager.commit(aux[None], ids)
+    params = SamplingParams(max_new_tokens=1 << 20, temperature=0.0)
+    agree, t_total = 0, 0.0
+    for i in range(n):
+        torch.cuda.synchronize() if dev.type == "cuda" else None
+        t = time.perf_counter()
+        d = st.propose()
+        st.commit(aux[i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
+        torch.cuda.synchronize() if dev.type == "cuda" else None
+        t_total += time.perf_counter() - t
+        if eager is not None:
+            agree += eager.propose(params, None, 49152).tokens == d.tokens
+            eager.commit(aux[None, i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
+    return t_total / n * 1e3, agree / n
+
+
+def e2e(dev, res, out) -> None:
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from specdec.engine.api import SamplingParams as SP
+    from specdec.engine.fast import FastEngine
+    from specdec.models.target import load_target
+    from specdec.models.tiny import byte_tokenizer
+
+    folder = Path(tempfile.mkdtemp()) / "smollm2-random"
+    torch.manual_seed(0)
+    cfg = SMOLLM2.__class__(**{**SMOLLM2.to_dict(), "tie_word_embeddings": True, "rope_theta": 100000.0})
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    target = load_target(str(folder), device=dev, dtype="bf16")
+    dcfg = DrafterConfig.for_target(target.config, draft_vocab_size=16384, aux_layer_ids=target.aux_layer_ids)
+    drafter = Eagle3Drafter(dcfg).to(dev, torch.bfloat16).eval()
+    prompt = list(range(3, 67))
+    params = SP(max_new_tokens=128 if dev.type == "cuda" else 8, ignore_eos=True)
+    plain = FastEngine(target, max_len=512, require_cuda=False)
+    rows = {}
+    for name, kw in (("plain", {}), ("eagle3-k5-eager", {"drafter": drafter, "k": 5, "static_drafter": False}),
+                     ("eagle3-k5-static", {"drafter": drafter, "k": 5, "static_drafter": True})):
+        e = plain if name == "plain" else FastEngine(target, max_len=512, decoder=plain.fast, require_cuda=False, **kw)
+        t0 = time.perf_counter()
+        e.warmup()
+        warm = time.perf_counter() - t0
+        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        e.generate(prompt, params)
+        sync()
+        t = time.perf_counter()
+        r = e.generate(prompt, params)
+        sync()
+        sec = time.perf_counter() - t
+        rows[name] = {"ms_per_step": sec / r.num_steps * 1e3, "steps": r.num_steps, "new_tokens": r.new_tokens,
+                      "warmup_s": warm, "token_ids_head": r.token_ids[:8]}
+        print(f"e2e {name:18s} {rows[name]['ms_per_step']:7.3f} ms per step ({r.num_steps} steps, "
+              f"warm-up {warm:.1f} s)", flush=True)
+        res["e2e"] = rows
+        (out / "h200_drafter_step.json").write_text(json.dumps(res, indent=1))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--e2e", action="store_true", help="also time FastEngine steps on a random SmolLM2-shaped target")
     args = ap.parse_args()
     dev = torch.device(args.device)
     cfg = DrafterConfig.for_target(SMOLLM2, draft_vocab_size=16384, aux_layer_ids=[2, 15, 27])
@@ -66,7 +139,8 @@ def main() -> int:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             return sdpa(*a, **kw)
 
-    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "k": 5, "rounds": args.rounds}
+    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+           "k": 5, "rounds": args.rounds}
     def via(fn):
         return lambda q, k, v, mask: fn(q, k, v, attn_mask=mask, enable_gqa=True)
 
@@ -86,6 +160,26 @@ def main() -> int:
         ms = rounds(prop, args.rounds, 5, dev) * 1e3
         res[name] = {"ms_per_round": ms}
         print(f"{name:9s} {ms:8.2f} ms per round (commit 2 + propose 5)", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    drafter_mod.small_query_attention = variants["no-cudnn"]
+    st = StaticChainDrafter(d, k=5, max_len=4096)
+    t0 = time.perf_counter()
+    st.warm()
+    warm = time.perf_counter() - t0
+    static_rounds(st, None, 10, dev)
+    ms, _ = static_rounds(st, None, args.rounds, dev)
+    _, agree = static_rounds(st, Eagle3Proposer(d, k=5), 50, dev)
+    res["static"] = {"ms_per_round": ms, "drafts_agree_with_eager": agree, "capture_s": warm}
+    print(f"static    {ms:8.2f} ms per round; drafts equal to the eager proposer's in {agree:.0%} of 50 rounds "
+          f"(capture {warm:.1f} s)", flush=True)
+    (out / "h200_drafter_step.json").write_text(json.dumps(res, indent=1))
+    if args.e2e:
+        try:
+            e2e(dev, res, out)
+        except Exception as e:  # keep what was measured
+            res["e2e_error"] = repr(e)
+            print("e2e failed:", repr(e), flush=True)
     from torch.profiler import ProfilerActivity, profile
 
     tables = []
@@ -98,8 +192,6 @@ def main() -> int:
         tables.append(f"== {name}: 20 rounds\n" + p.key_averages().table(sort_by="cpu_time_total", row_limit=15))
         print(tables[-1])
     table = "\n".join(tables)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "h200_drafter_step.json").write_text(json.dumps(res, indent=1))
     (out / "h200_drafter_step_profile.txt").write_text(table)
     return 0

@@ -216,6 +216,7 @@ def run_bench(
     tree=None,
     fast: bool | None = None,
     hf: bool = True,
+    static_drafter: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Time every method over `prompts`; returns {"rows": [...], "fast": bool, ...}."""
@@ -255,7 +256,7 @@ def run_bench(
     if drafter is not None:
         for k in ks:
             say(f"specdec-eagle3-k{k}")
-            e = engine(drafter=drafter, k=k)
+            e = engine(drafter=drafter, k=k, **({"static_drafter": True} if static_drafter and use_fast else {}))
             rows.append(_time_method(Row(method=f"specdec-eagle3-k{k}", engine=kind), engine_run(e), prompts,
                                      max_new_tokens, dev, warm(e)))
         if tree is not None:

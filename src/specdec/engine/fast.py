@@ -43,6 +43,7 @@ from ..errors import SpecdecError
 from ..models.target import Target
 from .api import SamplingParams, StepOutput
 from .eagle import Eagle3Proposer
+from .eagle_graph import StaticChainDrafter
 from .engine import SpeculativeEngine, truncate_at_stop
 from .sampling import sample, target_probs
 from .tree import Draft, TreeConfig, ancestor_mask
@@ -539,9 +540,12 @@ class FastEngine(SpeculativeEngine):
         coordinate_descent: bool | None = None,
         require_cuda: bool = True,
         decoder: FastDecoder | None = None,
+        static_drafter: bool = False,
     ):
         """`decoder`: reuse another FastEngine's decoder (same target): its weights, cache and
-        captured buckets are shared, so only new bucket sizes compile."""
+        captured buckets are shared, so only new bucket sizes compile. `static_drafter`: greedy
+        EAGLE-3 chains draft with `StaticChainDrafter` (CUDA graphs on a GPU). Off by default until
+        its graphs are measured on a GPU (benchmarks/drafter_step.py --e2e); tested on CPU."""
         if require_cuda and target.device.type != "cuda":
             raise SpecdecError(
                 f"the fast path needs a CUDA GPU; the target is on {target.device}; use the "
@@ -556,6 +560,11 @@ class FastEngine(SpeculativeEngine):
         # the scratch slot that warm-ups and padded copies write.
         # At least 64 + chunk, so a decoder shared by engines of other k (<= 63) still fits.
         pad = max(self.buckets[-1], 64) + prefill_chunk + 1
+        on_cuda = target.device.type == "cuda"
+        self.static = None
+        if isinstance(self.proposer, Eagle3Proposer) and tree is None and static_drafter:
+            self.static = StaticChainDrafter(self.proposer.drafter, k=k, max_len=self.max_len,
+                                             cuda_graphs=on_cuda and cuda_graphs)
         if decoder is not None:
             if decoder.cache_len < self.max_len + pad:
                 raise SpecdecError(f"the shared decoder's cache ({decoder.cache_len} slots) is too small")
@@ -563,7 +572,6 @@ class FastEngine(SpeculativeEngine):
             return
         self.fast = FastDecoder(target.model, max_len=self.max_len, aux_layer_ids=target.aux_layer_ids,
                                 last_state=target.last_state, pad=pad)
-        on_cuda = target.device.type == "cuda"
         if coordinate_descent is None:
             coordinate_descent = prefer_coordinate_descent(target.model)
         if on_cuda or not require_cuda:
@@ -576,6 +584,8 @@ class FastEngine(SpeculativeEngine):
         capture = isinstance(self.proposer, Eagle3Proposer)
         self.fast.aux_layer_ids = list(self.target.aux_layer_ids)
         self.fast.warmup(sorted(set(self.buckets) | {self.prefill_chunk}), capture)
+        if self.static is not None:
+            self.static.warm()
         return time.perf_counter() - t0
 
     def _bucket(self, n: int) -> int:
@@ -590,11 +600,14 @@ class FastEngine(SpeculativeEngine):
         dev = self.target.device
         greedy = params.temperature <= 0
         eagle = isinstance(self.proposer, Eagle3Proposer)
+        static = self.static if eagle and greedy else None
         self.fast.aux_layer_ids = list(self.target.aux_layer_ids)
         logits, top, aux = self.fast.prefill(list(prompt_ids), self.prefill_chunk, capture=eagle)
         last = int(top) if greedy else sample(target_probs(logits.float(), params), gen)
         context = list(prompt_ids) + [last]
-        if eagle:
+        if static is not None:
+            static.begin(aux, torch.tensor(context[1:], device=dev))
+        elif eagle:
             self.proposer.reset(len(prompt_ids) + params.max_new_tokens + 64)
             self.proposer.commit(aux[None], torch.tensor(context[1:], device=dev))
         elif self.proposer is not None:
@@ -606,7 +619,9 @@ class FastEngine(SpeculativeEngine):
         while not finished:
             P = len(context) - 1  # tokens in the cache; context[-1] is not yet in it
             budget = params.max_new_tokens - produced
-            if eagle:
+            if static is not None:
+                draft = static.propose()
+            elif eagle:
                 draft = self.proposer.propose(params, gen, self.target.vocab_size)
             elif self.proposer is not None:
                 draft = self.proposer.propose(context, min(self.k, budget))
@@ -627,7 +642,10 @@ class FastEngine(SpeculativeEngine):
             new_tokens = [draft.tokens[i] for i in path] + [bonus]
             if eagle:
                 rows = torch.tensor([0] + [1 + i for i in path], device=dev)
-                self.proposer.commit(b.aux[rows][None], torch.tensor(new_tokens, device=dev))
+                if static is not None:
+                    static.commit(b.aux[rows], torch.tensor(new_tokens, device=dev))
+                else:
+                    self.proposer.commit(b.aux[rows][None], torch.tensor(new_tokens, device=dev))
             depth_count = max(depths, default=-1) + 1
             positions_ok = [i < len(path) for i in range(depth_count)]
             committed, reason = truncate_at_stop(new_tokens, stops, produced, params.max_new_tokens)

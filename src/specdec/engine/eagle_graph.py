@@ -1,0 +1,145 @@
+"""EAGLE-3 greedy chain drafting in fixed-shape steps that CUDA graphs can hold.
+
+The eager `Eagle3Proposer` reads the host after every drafted token and keeps its cache length in
+a Python int, so a round (commit the accepted tokens, draft k) is ~360 kernel launches plus k host
+round trips: 9 ms on an H200 for a SmolLM2-sized drafter, against ~1 ms for the target's verify
+step (benchmarks/drafter_step.py). Here the committed length lives on the device, every tensor
+has a fixed shape (a commit is padded to k + 1 rows, attention covers the whole preallocated cache
+under a length mask), and a round is two graph replays and one read of the k drafted ids.
+
+Same drafts as `Eagle3Proposer` for greedy chains (tests/test_eagle_graph.py); trees and sampling
+stay with the eager proposer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.drafter import Eagle3Drafter, small_query_attention
+from .tree import Draft
+
+
+class StaticChainDrafter:
+    def __init__(self, drafter: Eagle3Drafter, *, k: int, max_len: int, cuda_graphs: bool | None = None):
+        d = drafter
+        p = d.lm_head.weight
+        dev, dt = p.device, p.dtype
+        cfg = d.cfg
+        self.drafter, self.k = d, k
+        # Padded commit rows and the last round's drafts write past the committed length.
+        self.size = max_len + 2 * (k + 1)
+        self.kc = torch.zeros(1, cfg.num_key_value_heads, self.size, cfg.head_dim, device=dev, dtype=dt)
+        self.vc = torch.zeros_like(self.kc)
+        self.slots = torch.arange(self.size, device=dev)
+        self.rows = torch.arange(k + 1, device=dev)
+        self.d2t_ids = d.draft_to_target
+        n_aux = len(cfg.aux_layer_ids)
+        # Inputs of a commit: the target's aux states and the next tokens of up to k + 1 positions.
+        self.in_aux = torch.zeros(1, k + 1, n_aux * cfg.target_hidden_size, device=dev, dtype=dt)
+        self.in_ids = torch.zeros(1, k + 1, dtype=torch.long, device=dev)
+        self.in_n = torch.ones((), dtype=torch.long, device=dev)
+        # State: committed length, and the drafter's output at the last committed position.
+        self.length = torch.zeros((), dtype=torch.long, device=dev)
+        self.hidden = torch.zeros(1, 1, cfg.hidden_size, device=dev, dtype=dt)
+        self.logits = torch.zeros(1, 1, cfg.draft_vocab_size, device=dev, dtype=dt)
+        self.drafts = torch.zeros(k, dtype=torch.long, device=dev)
+        self.graphs = (dev.type == "cuda") if cuda_graphs is None else cuda_graphs
+        self._commit_graph = self._draft_graph = None
+
+    # -- the two steps ---------------------------------------------------------------------
+    def _layer(self, ids, hidden, pos, limit, aux: bool):
+        """One drafter layer over T rows at positions `pos` [T] (also their cache slots); row r
+        attends the slots below limit[r]."""
+        d = self.drafter
+        attn = d.midlayer.self_attn
+        if aux:
+            hidden = d.project_aux(hidden)
+        x, residual = d.midlayer.attn_input(d.embed_tokens(ids).to(hidden.dtype), hidden)
+        cos, sin = d.rotary_emb(x, pos[None])
+        q, k, v = attn.project(x, cos, sin)
+        self.kc.index_copy_(2, pos, k)
+        self.vc.index_copy_(2, pos, v)
+        mask = self.slots[None, :] < limit[:, None]  # shape: [T, size]
+        out = small_query_attention(q, self.kc, self.vc, mask)
+        a = attn.o_proj(out.transpose(1, 2).reshape(1, ids.shape[1], -1))
+        return d.head(d.midlayer.finish(a, residual))
+
+    def _commit(self) -> None:
+        pos = self.length + self.rows
+        h, lg = self._layer(self.in_ids, self.in_aux, pos, pos + 1, aux=True)
+        last = (self.in_n - 1).view(1)
+        self.hidden.copy_(h.index_select(1, last))
+        self.logits.copy_(lg.index_select(1, last))
+        self.length.add_(self.in_n)
+
+    def _draft(self) -> None:
+        h, lg = self.hidden, self.logits
+        for i in range(self.k):
+            tok = self.d2t_ids[lg[0, -1].argmax(-1)]
+            self.drafts[i] = tok
+            if i == self.k - 1:
+                break
+            p = (self.length + i).view(1)
+            h, lg = self._layer(tok.view(1, 1), h, p, p + 1, aux=False)
+
+    def _replay(self, name: str, fn) -> None:
+        if not self.graphs:
+            fn()
+            return
+        g = getattr(self, name)
+        if g is None:
+            # Warm up on a side stream (kernels pick their configs), then capture.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            saved = [t.clone() for t in (self.kc, self.vc, self.length, self.hidden, self.logits)]
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            for t, s in zip((self.kc, self.vc, self.length, self.hidden, self.logits), saved):
+                t.copy_(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            setattr(self, name, g)
+            # Capture records without running: restore, then run the graph once for real.
+            for t, s in zip((self.kc, self.vc, self.length, self.hidden, self.logits), saved):
+                t.copy_(s)
+        g.replay()
+
+    # -- the proposer's interface -----------------------------------------------------------
+    @torch.no_grad()
+    def begin(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """A new sequence: commit the prompt's m positions (aux [m, 3tH], next_tokens [m]) eagerly,
+        once, since m varies."""
+        m = next_tokens.numel()
+        self.length.zero_()
+        pos = torch.arange(m, device=self.kc.device)
+        h, lg = self._layer(next_tokens.view(1, m), aux.view(1, m, -1).to(self.in_aux.dtype), pos, pos + 1, aux=True)
+        self.hidden.copy_(h[:, -1:])
+        self.logits.copy_(lg[:, -1:])
+        self.length.fill_(m)
+
+    @torch.no_grad()
+    def commit(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Extend over accepted positions: aux [n, 3tH], next_tokens [n], n <= k + 1."""
+        n = next_tokens.numel()
+        self.in_aux[0, :n].copy_(aux)
+        self.in_ids[0, :n].copy_(next_tokens)
+        self.in_n.fill_(n)
+        self._replay("_commit_graph", self._commit)
+
+    @torch.no_grad()
+    def warm(self) -> None:
+        """Capture both graphs now (a dummy one-token sequence; the next begin() resets it)."""
+        dev = self.kc.device
+        aux, ids = self.in_aux[0, :1].clone(), torch.zeros(1, dtype=torch.long, device=dev)
+        self.begin(aux, ids)
+        self.propose()
+        self.commit(aux, ids)
+        self.propose()
+
+    @torch.no_grad()
+    def propose(self) -> Draft:
+        self._replay("_draft_graph", self._draft)
+        tokens = self.drafts.tolist()  # the round's one host read
+        return Draft(tokens=tokens, parents=list(range(-1, len(tokens) - 1)))

@@ -1,0 +1,60 @@
+"""StaticChainDrafter (fixed shapes, device-side length, CUDA graphs on a GPU) drafts exactly what
+the eager Eagle3Proposer drafts, round after round, whatever number of tokens each round commits;
+and FastEngine with it stays lossless. Run here without graphs: the same code a graph captures."""
+
+import pytest
+import torch
+
+from specdec.engine.api import SamplingParams
+from specdec.engine.eagle import Eagle3Proposer
+from specdec.engine.eagle_graph import StaticChainDrafter
+from specdec.engine.engine import SpeculativeEngine
+from specdec.engine.fast import FastEngine
+from tests.test_engine_lossless import random_drafter
+
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen3"))
+@pytest.mark.parametrize("k", (1, 4))
+def test_static_drafts_equal_eager_drafts(tiny_targets, arch, k):
+    target = tiny_targets[arch]
+    drafter = random_drafter(target, seed=3)
+    # Sharpen the logits so that drafts depend on the inputs, not on near-ties.
+    drafter.lm_head.weight.data.mul_(20)
+    eager = Eagle3Proposer(drafter, k=k)
+    static = StaticChainDrafter(drafter, k=k, max_len=96, cuda_graphs=False)
+    g = torch.Generator().manual_seed(0)
+    width = len(target.aux_layer_ids) * target.hidden_size
+    m = 9
+    aux, ids = torch.randn(m, width, generator=g), torch.randint(0, target.vocab_size, (m,), generator=g)
+    eager.reset(96)
+    eager.commit(aux[None], ids)
+    static.begin(aux, ids)
+    drafted = set()
+    for round_ in range(12):
+        a = eager.propose(GREEDY, None, target.vocab_size)
+        b = static.propose()
+        assert b.tokens == a.tokens and b.parents == a.parents, f"round {round_}"
+        assert b.is_chain and len(b) == k
+        drafted.update(a.tokens)
+        n = 1 + round_ % (k + 1)  # every commit size from 1 (nothing accepted) to k + 1
+        aux, ids = torch.randn(n, width, generator=g), torch.randint(0, target.vocab_size, (n,), generator=g)
+        eager.commit(aux[None], ids)
+        static.commit(aux, ids)
+    assert int(static.length) == eager.length
+    assert len(drafted) > 3  # the drafts really moved with the inputs
+
+
+def test_fast_engine_with_static_drafter_is_lossless(tiny_targets):
+    target = tiny_targets["llama"]
+    prompt = torch.randint(0, 250, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = SpeculativeEngine(target).generate(prompt, GREEDY)
+    drafter = random_drafter(target)
+    kw = dict(require_cuda=False, max_len=128, prefill_chunk=8, drafter=drafter, k=4)
+    eager = FastEngine(target, static_drafter=False, **kw).generate(prompt, GREEDY)
+    static_engine = FastEngine(target, static_drafter=True, **kw)
+    assert static_engine.static is not None
+    got = static_engine.generate(prompt, GREEDY)
+    assert got.token_ids == ref.token_ids == eager.token_ids
+    assert (got.num_drafts, got.accepted_per_position) == (eager.num_drafts, eager.accepted_per_position)

@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_train.sh b   # second half -> SmolLM2 folder; start `specdec quickstart` (GPU defaults)
 #   bash benchmarks/gpu_train.sh c   # the quickstart goes on (every stage resumes)
 #   bash benchmarks/gpu_train.sh d   # the quickstart finishes; its drafter comes home; `specdec bench` with it
+#   bash benchmarks/gpu_train.sh e   # the drafter in CUDA graphs (drafter_step.py), bench with --static-drafter
 #   bash benchmarks/gpu_train.sh r   # (after b, instead of c/d) training recipes at the CPU data size
 #
 # A machine without PyPI access gets the SmolLM2 GGUF in two halves (.devdata/p1/part0,
@@ -39,6 +40,14 @@ case "$1" in
     timeout "${QS_S:-500}" python3 -m specdec quickstart --out /root/qs-gpu > "$OUT/quickstart_gpu_b.log" 2>&1
     grep -v Warning "$OUT/quickstart_gpu_b.log" | tail -30
     ;;
+  e)
+    # The drafter in CUDA graphs: ms per round, draft agreement, engine steps; then the bench again.
+    timeout 200 python3 benchmarks/drafter_step.py --e2e --rounds 100 --out "$OUT" 2>&1 | grep -v Warning \
+      | grep -v "^ \|^-" | tee "$OUT/drafter_step.log"
+    timeout 300 python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
+      --limit 5 --max-new-tokens 256 --static-drafter --out "$OUT/bench_eagle3_gpu_static.json" 2>&1 \
+      | grep -v Warning | tail -40 | tee "$OUT/bench_eagle3_gpu_static.log"
+    ;;
   r)
     # Training recipes at the CPU quickstart's data size (BENCHMARKS.md, "Drafter training recipes").
     timeout 480 python3 benchmarks/drafter_recipes.py --out "$OUT" --budget-s 400 2>&1 \
@@ -58,8 +67,15 @@ case "$1" in
     grep -v Warning "$OUT"/quickstart_gpu_d*.log | tail -40
     cp /root/qs-gpu/quickstart.jsonl /root/qs-gpu/train/train_summary.json "$OUT/" 2>/dev/null
     cat "$OUT/quickstart.jsonl"
-    # The drafter comes home in pieces of < 16 MiB.
-    tar -C /root/qs-gpu/train -cf /root/drafter.tar drafter && split -b 15M /root/drafter.tar "$OUT/drafter.tar.part."
+    # The drafter comes home in pieces of < 16 MiB: bf16, without the frozen embedding (the
+    # target's; load_drafter takes it from the target when it is absent).
+    mkdir -p /root/drafter-home && cp /root/qs-gpu/train/drafter/*.json /root/drafter-home/
+    python3 -c "
+import torch; from safetensors.torch import load_file, save_file
+t = load_file('/root/qs-gpu/train/drafter/model.safetensors')
+save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t.items() if k != 'embed_tokens.weight'},
+          '/root/drafter-home/model.safetensors')"
+    tar -C /root -cf /root/drafter.tar drafter-home && split -b 15M /root/drafter.tar "$OUT/drafter.tar.part."
     sha256sum /root/drafter.tar | tee "$OUT/drafter.tar.sha256"
     timeout "${BENCH_S:-280}" python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
       --limit 5 --max-new-tokens 256 --out "$OUT/bench_eagle3_gpu.json" 2>&1 | grep -v Warning | tail -40 \

@@ -19,6 +19,7 @@ from specdec.engine.api import SamplingParams
 from specdec.engine.engine import SpeculativeEngine
 from specdec.models.formats import load_drafter
 from specdec.models.target import load_target
+from specdec.precision import compute_dtype
 from specdec.train.data import OfflineSource
 from specdec.train.loop import TrainConfig, train
 
@@ -110,6 +111,16 @@ def test_kill_9_then_resume_is_exact(tiny, capture_dir, tmp_path):
 
     with safe_open(str(killed / "checkpoints" / "step-24" / "drafter.safetensors"), "pt") as f:
         assert "embed_tokens.weight" not in f.keys() and "fc.weight" in f.keys()
+
+
+def test_dtype_flag_sets_the_matmul_precision(tiny, capture_dir, tmp_path):
+    for flag, want in (("auto", str(compute_dtype("cpu")).removeprefix("torch.")), ("fp32", "float32"),
+                       ("bf16", "bfloat16")):
+        out = tmp_path / flag
+        r = subprocess.run(train_cmd(tiny, capture_dir, out, "--max-steps", "2", "--dtype", flag),
+                           env=ENV, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert json.loads((out / "train_summary.json").read_text())["matmul_dtype"] == want
 
 
 def test_vocab_mapping_survives_init(tiny, capture_dir, tmp_path):

@@ -53,6 +53,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-length", type=int, default=2048, help="--online: truncate samples (default: 2048)")
     p.add_argument("--limit", type=int, help="--online: only the first N conversations")
     p.add_argument("--device", help="cuda or cpu (default: cuda if available; torchrun: cuda:LOCAL_RANK)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="matrix products (weights and AdamW stay fp32); auto: bf16 on a GPU and on CPUs "
+                        "with native bf16 (AVX512-BF16/AMX), else fp32 (default: auto)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     p.set_defaults(func=run)
 
@@ -108,7 +111,8 @@ def run(args) -> int:
                       draft_vocab_size=args.draft_vocab_size, eval_percent=args.eval_percent,
                       eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
                       max_steps=args.max_steps, rebuild_vocab=args.rebuild_vocab,
-                      norm_before_residual=args.norm_before_residual)
+                      norm_before_residual=args.norm_before_residual,
+                      bf16=None if args.dtype == "auto" else args.dtype == "bf16")
     summary = train(target, source, cfg, init=args.init, resume=args.resume, target_name=str(args.target))
     if int(os.environ.get("RANK", 0)) == 0:
         if args.json:

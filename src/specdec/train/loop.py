@@ -1,9 +1,9 @@
 """`specdec train`: the EAGLE-3 drafter training loop.
 
-AdamW with linear warmup and cosine decay, gradient clipping, bf16 autocast on GPU and on CPUs with native bf16, checkpoints
-written atomically (a folder renamed into place) with exact `--resume`, and every eval interval
-the per-position accuracy and a simulated acceptance length on a held-out split, printed and
-sent to TensorBoard. Under torchrun the drafter is wrapped in DDP (gloo on CPU, NCCL on GPU).
+AdamW with linear warmup and cosine decay, gradient clipping, bf16 autocast (on a GPU and on CPUs
+with native bf16, see specdec.precision), checkpoints written atomically (a folder renamed into
+place) with exact `--resume`, and every eval interval the per-position accuracy and a simulated
+acceptance length on a held-out split, printed and sent to TensorBoard. Under torchrun the drafter is wrapped in DDP (gloo on CPU, NCCL on GPU).
 """
 
 from __future__ import annotations
@@ -86,6 +86,14 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+FROZEN = "embed_tokens.weight"  # the drafter's one frozen tensor, a copy of the target's
+
+
+def copy_target_embedding(drafter: Eagle3Drafter, target) -> None:
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(target.embed_tokens().weight.float().cpu())
+
+
 def make_drafter(target, source, cfg: TrainConfig, init: str | None) -> tuple[Eagle3Drafter, dict]:
     """A new drafter sized for the target with a vocab from the data, or `--init` fine-tuning."""
     from ..models.formats import load_drafter
@@ -149,14 +157,6 @@ def save_checkpoint(out: Path, step: int, model: Eagle3Drafter, opt, sched, stat
     for o in old:
         shutil.rmtree(o, ignore_errors=True)
     return final
-
-
-FROZEN = "embed_tokens.weight"  # the drafter's one frozen tensor, a copy of the target's
-
-
-def copy_target_embedding(drafter: Eagle3Drafter, target) -> None:
-    with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(target.embed_tokens().weight.float().cpu())
 
 
 def load_checkpoint(path: Path, model: Eagle3Drafter, opt, sched) -> dict:
@@ -322,7 +322,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     if world > 1:
         dist.barrier()
     summary = {"steps": step, "tokens_per_s": tokens_seen / max(1e-9, time.perf_counter() - t0),
-               "eval": last_eval, **info}
+               "eval": last_eval, "matmul_dtype": "bfloat16" if bf16 else "float32", **info}
     if rank == 0:
         from ..models.formats import save_drafter
 

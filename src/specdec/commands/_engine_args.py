@@ -19,7 +19,9 @@ def add_engine_args(p, *, target_required: bool = True) -> None:
     p.add_argument("--tree-top-k", type=int, metavar="K", help="children per expanded tree node (default: 8)")
     p.add_argument("--tree-tokens", type=int, metavar="N", help="draft tokens per tree (default: 48)")
     p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda if available)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default: bf16 on GPU, fp32 on CPU")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"],
+                   help="default: bf16 on GPU, fp32 on CPU; auto: bf16 also on CPUs with native bf16 "
+                        "(AVX512-BF16/AMX, ~1.5x faster decoding there)")
 
 
 def tree_config(args):

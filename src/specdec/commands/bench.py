@@ -44,7 +44,9 @@ def register(subparsers) -> None:
     p.add_argument("--tree", default="6,8,48", metavar="D,K,N",
                    help="EAGLE-3 tree depth,top_k,total_tokens; 'none' to skip (default: 6,8,48)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on CPU)")
+    p.add_argument("--dtype", default=None,
+                   help="auto, bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on CPU; auto: bf16 also on CPUs "
+                        "with native bf16)")
     p.add_argument("--reference", action="store_true", help="use the reference engine even on a GPU")
     p.add_argument("--static-drafter", action="store_true",
                    help="fast path: EAGLE-3 chains draft in CUDA graphs (StaticChainDrafter; "

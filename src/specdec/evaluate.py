@@ -58,15 +58,9 @@ class _Progress:
         self.bar = None
         if not enabled:
             return
-        from rich.console import Console
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
+        from .progress import progress_bar
 
-        self.bar = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-            console=Console(stderr=True), transient=False,
-        )
+        self.bar = progress_bar()
         self.total = total
 
     def __enter__(self):

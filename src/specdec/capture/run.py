@@ -407,12 +407,6 @@ def _batches(items: list[Item], batch_size: int, batch_tokens: int | None):
 
 
 def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from ..progress import progress_bar
 
-    return Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-        console=Console(stderr=True), disable=not enabled, transient=False,
-    )
+    return progress_bar(enabled=enabled)

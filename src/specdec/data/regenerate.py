@@ -424,15 +424,9 @@ def regenerate_endpoint(
 
 
 def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from ..progress import progress_bar
 
-    return Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-        console=Console(stderr=True), disable=not enabled,
-    )
+    return progress_bar(enabled=enabled)
 
 
 def log(msg: str) -> None:

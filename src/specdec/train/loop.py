@@ -265,11 +265,9 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         f"{total} steps, world size {world}, draft vocab {drafter.cfg.draft_vocab_size} "
         f"(covers {info['vocab_coverage']:.1%} of assistant tokens; {info['vocab']})")
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from ..progress import progress_bar
 
-    bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
-                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), disable=not progress or rank != 0,
-                   transient=False)
+    bar = progress_bar("stats", label="train", enabled=progress and rank == 0)
     task = bar.add_task("train", total=total, completed=step, stats="")
     tokens_seen, t0 = 0, time.perf_counter()
     last_eval: dict = history[-1] if history else {}

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from specdec.precision import compute_dtype
+from specdec.precision import compute_dtype, dtype_name
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 ARGS = ["--target", "tiny-llama", "--prompts", "6", "--max-new-tokens", "12", "--epochs", "1",
@@ -25,7 +25,7 @@ def test_quickstart_runs_and_resumes(tmp_path):
     assert line["tree"]["depth"] == 5 and 1.0 <= line["tree"]["mean_acceptance_length"] <= 6.0
     assert (out / "train" / "drafter" / "config.json").exists()
     # --dtype auto: bf16 where this CPU multiplies bf16 natively, else fp32 (specdec.precision)
-    assert line["dtype"] == str(compute_dtype("cpu")).removeprefix("torch.")
+    assert line["dtype"] == dtype_name(compute_dtype("cpu"))
     regen = (out / "regen.jsonl").read_text().splitlines()
     again = subprocess.run([sys.executable, "-m", "specdec", "quickstart", "--out", str(out), *ARGS],
                            capture_output=True, text=True, env=ENV, timeout=900)

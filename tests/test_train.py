@@ -19,7 +19,7 @@ from specdec.engine.api import SamplingParams
 from specdec.engine.engine import SpeculativeEngine
 from specdec.models.formats import load_drafter
 from specdec.models.target import load_target
-from specdec.precision import compute_dtype
+from specdec.precision import compute_dtype, dtype_name
 from specdec.train.data import OfflineSource
 from specdec.train.loop import TrainConfig, train
 
@@ -114,7 +114,7 @@ def test_kill_9_then_resume_is_exact(tiny, capture_dir, tmp_path):
 
 
 def test_dtype_flag_sets_the_matmul_precision(tiny, capture_dir, tmp_path):
-    for flag, want in (("auto", str(compute_dtype("cpu")).removeprefix("torch.")), ("fp32", "float32"),
+    for flag, want in (("auto", dtype_name(compute_dtype("cpu"))), ("fp32", "float32"),
                        ("bf16", "bfloat16")):
         out = tmp_path / flag
         r = subprocess.run(train_cmd(tiny, capture_dir, out, "--max-steps", "2", "--dtype", flag),

@@ -13,6 +13,17 @@ import functools
 import torch
 
 
+DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+}  # fmt: skip
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     try:
@@ -34,10 +45,8 @@ def parse_dtype(name: str | torch.dtype | None, device: torch.device | str) -> t
         return name
     if name is None or name == "auto":
         return compute_dtype(device)
-    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-             "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
-    if name not in table:
+    if str(name).lower() not in DTYPES:
         from .errors import SpecdecError
 
         raise SpecdecError(f"--dtype expects one of auto, bf16, fp16, fp32; found {name!r}")
-    return table[name]
+    return DTYPES[str(name).lower()]

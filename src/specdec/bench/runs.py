@@ -234,7 +234,7 @@ def run_bench(
 
     def engine(**kw):
         if use_fast:
-            return make_engine(target, fast=True, max_len=max_len, decoder=decoder, **kw)
+            return make_engine(target, fast=True, max_len=max_len, decoder=decoder, static_drafter=static_drafter, **kw)
         return make_engine(target, fast=False, **kw)
 
     def warm(e):
@@ -256,7 +256,7 @@ def run_bench(
     if drafter is not None:
         for k in ks:
             say(f"specdec-eagle3-k{k}")
-            e = engine(drafter=drafter, k=k, **({"static_drafter": True} if static_drafter and use_fast else {}))
+            e = engine(drafter=drafter, k=k)
             rows.append(_time_method(Row(method=f"specdec-eagle3-k{k}", engine=kind), engine_run(e), prompts,
                                      max_new_tokens, dev, warm(e)))
         if tree is not None:

@@ -46,6 +46,7 @@ import torch
 
 from ..atomic import atomic_path, write_json
 from ..errors import SpecdecError
+from ..precision import DTYPES, dtype_name  # noqa: F401  (dtype_name: part of this module's API)
 
 MANIFEST = "manifest.json"
 FORMAT = "specdec-capture"
@@ -58,11 +59,6 @@ IDENTITY = (
     "tokenizer_fingerprint", "dtype", "max_length",
 )  # fmt: skip
 
-DTYPES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-}  # fmt: skip
 _ST_DTYPE = {
     torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32",
     torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8",
@@ -77,10 +73,6 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         return DTYPES[str(name).lower()]
     except KeyError:
         raise SpecdecError(f"unknown dtype {name!r}; expected one of bf16, fp16, fp32") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def bytes_per_token(hidden_size: int, dtype: torch.dtype | str, num_aux: int = 3) -> int:

@@ -84,6 +84,7 @@ def run(args) -> int:
     from ..evaluate import evaluate
     from ..models.formats import load_drafter
     from ..models.target import load_target
+    from ..precision import dtype_name
     from ..train.data import OfflineSource
     from ..train.loop import TrainConfig, train
 
@@ -177,7 +178,7 @@ def run(args) -> int:
         "per_position_acceptance": result["per_position_acceptance"],
         "tokens_per_s": result["tokens_per_s"], "plain_tokens_per_s": result.get("plain_tokens_per_s"),
         "speedup": result.get("speedup"), "tree": tree, "device": str(target.device),
-        "dtype": str(target.dtype).removeprefix("torch."),
+        "dtype": dtype_name(target.dtype),
         "seconds": {k: round(v, 1) for k, v in timings.items()},
     }
     print(json.dumps(line))

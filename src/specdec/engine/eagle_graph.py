@@ -88,22 +88,21 @@ class StaticChainDrafter:
             return
         g = getattr(self, name)
         if g is None:
-            # Warm up on a side stream (kernels pick their configs), then capture.
+            # Warm up on a side stream (kernels pick their configs) and undo what it wrote; the
+            # capture only records, so the replay below is the step's one real run.
+            state = (self.kc, self.vc, self.length, self.hidden, self.logits)
+            saved = [t.clone() for t in state]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            saved = [t.clone() for t in (self.kc, self.vc, self.length, self.hidden, self.logits)]
             with torch.cuda.stream(side):
                 fn()
             torch.cuda.current_stream().wait_stream(side)
-            for t, s in zip((self.kc, self.vc, self.length, self.hidden, self.logits), saved):
+            for t, s in zip(state, saved):
                 t.copy_(s)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 fn()
             setattr(self, name, g)
-            # Capture records without running: restore, then run the graph once for real.
-            for t, s in zip((self.kc, self.vc, self.length, self.hidden, self.logits), saved):
-                t.copy_(s)
         g.replay()
 
     # -- the proposer's interface -----------------------------------------------------------

@@ -31,6 +31,7 @@ from transformers.models.llama.modeling_llama import (
 
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
+
 @dataclass(kw_only=True)
 class DrafterConfig:
     hidden_size: int

@@ -3,7 +3,8 @@
 AdamW with linear warmup and cosine decay, gradient clipping, bf16 autocast (on a GPU and on CPUs
 with native bf16, see specdec.precision), checkpoints written atomically (a folder renamed into
 place) with exact `--resume`, and every eval interval the per-position accuracy and a simulated
-acceptance length on a held-out split, printed and sent to TensorBoard. Under torchrun the drafter is wrapped in DDP (gloo on CPU, NCCL on GPU).
+acceptance length on a held-out split, printed and sent to TensorBoard. Under torchrun the
+drafter is wrapped in DDP (gloo on CPU, NCCL on GPU).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 from ..atomic import write_json
 from ..errors import SpecdecError
 from ..models.drafter import DrafterConfig, Eagle3Drafter
-from ..precision import compute_dtype
+from ..precision import compute_dtype, dtype_name
 from .data import batches_at, global_batches, is_heldout
 from .ttt import Batch, TargetArgmaxCache, TargetHead, ttt_loss
 from .vocab import build_draft_vocab, count_tokens, coverage
@@ -320,7 +321,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     if world > 1:
         dist.barrier()
     summary = {"steps": step, "tokens_per_s": tokens_seen / max(1e-9, time.perf_counter() - t0),
-               "eval": last_eval, "matmul_dtype": "bfloat16" if bf16 else "float32", **info}
+               "eval": last_eval, "matmul_dtype": dtype_name(dtype), **info}
     if rank == 0:
         from ..models.formats import save_drafter
 

@@ -85,8 +85,11 @@ def target_argmax(head: TargetHead, last_hidden: torch.Tensor, rows: torch.Tenso
     This [*, H] x [H, V] product is the costliest part of a small drafter's training step (about a
     third of it for SmolLM2 on a CPU), so training computes it once per sample and caches it.
     """
-    normed = head.normed(last_hidden)  # shape: [B, L, H]
-    out = torch.full(last_hidden.shape[:2], -1, dtype=torch.long, device=last_hidden.device)
+    return _argmax_of_normed(head, head.normed(last_hidden), rows, chunk)
+
+
+def _argmax_of_normed(head: TargetHead, normed: torch.Tensor, rows: torch.Tensor | None, chunk: int = 1024):
+    out = torch.full(normed.shape[:2], -1, dtype=torch.long, device=normed.device)
     where = rows.nonzero(as_tuple=True) if rows is not None else None
     flat = normed[where] if where is not None else normed.reshape(-1, normed.shape[-1])
     top = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
@@ -95,7 +98,7 @@ def target_argmax(head: TargetHead, last_hidden: torch.Tensor, rows: torch.Tenso
     if where is not None:
         out[where] = top
     else:
-        out = top.view(last_hidden.shape[:2])
+        out = top.view(normed.shape[:2])
     return out
 
 
@@ -107,9 +110,10 @@ def target_distribution(head: TargetHead, last_hidden: torch.Tensor, draft_ids: 
 
     The full-vocab argmax is taken from `argmax` when given, else computed where `rows` is set.
     """
-    draft_logits = head.normed(last_hidden) @ head.lm_head[draft_ids].T  # shape: [B, L, Vd]
+    normed = head.normed(last_hidden)  # shape: [B, L, H]
+    draft_logits = normed @ head.lm_head[draft_ids].T  # shape: [B, L, Vd]
     if argmax is None:
-        argmax = target_argmax(head, last_hidden, rows)
+        argmax = _argmax_of_normed(head, normed, rows)
     in_vocab = (argmax >= 0) & t2d[argmax.clamp(min=0)]
     return F.log_softmax(draft_logits, -1), in_vocab
 

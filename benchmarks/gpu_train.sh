@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Training on the H200, in parts of under 10 minutes each, run back to back on the same machine.
 #
-#   bash benchmarks/gpu_train.sh a   # stage the first GGUF half and the prompt data in /root
+#   bash benchmarks/gpu_train.sh a   # stage the first GGUF half and the prompt data; time the drafter in CUDA graphs
 #   bash benchmarks/gpu_train.sh b   # second half -> SmolLM2 folder; start `specdec quickstart` (GPU defaults)
 #   bash benchmarks/gpu_train.sh c   # the quickstart goes on (every stage resumes)
 #   bash benchmarks/gpu_train.sh d   # the quickstart finishes; its drafter comes home; `specdec bench` with it
@@ -29,6 +29,9 @@ case "$1" in
       python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
       | tee "$OUT/env_gpu_train.txt"
     ls -la /root/m "$SPECDEC_HOME/data"
+    # No weights needed: the drafter round and engine steps on a random SmolLM2-shaped target.
+    timeout 200 python3 benchmarks/drafter_step.py --e2e --rounds 100 --out "$OUT" 2>&1 | grep -v Warning \
+      | grep -v "^ \|^-" | tee "$OUT/drafter_step.log"
     ;;
   b)
     [ -f /root/m/part0 ] || { echo "first GGUF half missing: the machine was replaced between parts"; exit 3; }
@@ -80,5 +83,8 @@ save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t
     timeout "${BENCH_S:-280}" python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
       --limit 5 --max-new-tokens 256 --out "$OUT/bench_eagle3_gpu.json" 2>&1 | grep -v Warning | tail -40 \
       | tee "$OUT/bench_eagle3_gpu.log"
+    timeout "${BENCH_S:-200}" python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
+      --limit 5 --max-new-tokens 256 --static-drafter --no-hf --out "$OUT/bench_eagle3_gpu_static.json" 2>&1 \
+      | grep -v Warning | tail -40 | tee "$OUT/bench_eagle3_gpu_static.log"
     ;;
 esac

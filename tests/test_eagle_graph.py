@@ -4,6 +4,7 @@ and FastEngine with it stays lossless. Run here without graphs: the same code a 
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec.engine.api import SamplingParams
 from specdec.engine.eagle import Eagle3Proposer
@@ -58,3 +59,34 @@ def test_fast_engine_with_static_drafter_is_lossless(tiny_targets):
     got = static_engine.generate(prompt, GREEDY)
     assert got.token_ids == ref.token_ids == eager.token_ids
     assert (got.num_drafts, got.accepted_per_position) == (eager.num_drafts, eager.accepted_per_position)
+
+
+class _Ops(TorchDispatchMode):
+    """Records the aten ops a piece of code runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+# Ops that read a device tensor on the host; inside a CUDA graph capture they abort it.
+HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "unique", "item"}
+
+
+@pytest.mark.parametrize("k", (1, 4))
+def test_captured_steps_never_read_the_host(tiny_targets, k):
+    """The commit and draft steps are what the CUDA graphs hold: a host read there (e.g. indexing
+    with a 0-dim tensor, which calls .item()) fails capture on a GPU, so check it here on CPU."""
+    target = tiny_targets["llama"]
+    static = StaticChainDrafter(random_drafter(target), k=k, max_len=64, cuda_graphs=False)
+    width = len(target.aux_layer_ids) * target.hidden_size
+    static.begin(torch.randn(5, width), torch.randint(0, target.vocab_size, (5,)))
+    for step in (static._draft, static._commit):
+        with torch.no_grad(), _Ops() as seen:
+            step()
+        assert {op.split(".")[0] for op in seen.ops} & HOST_READS == set(), step.__name__
+        assert "index_select" in {op.split(".")[0] for op in seen.ops}  # the recorder saw the step

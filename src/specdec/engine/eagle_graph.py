@@ -75,8 +75,10 @@ class StaticChainDrafter:
     def _draft(self) -> None:
         h, lg = self.hidden, self.logits
         for i in range(self.k):
-            tok = self.d2t_ids[lg[0, -1].argmax(-1)]
-            self.drafts[i] = tok
+            # index_select, not d2t[t]: indexing with a 0-dim tensor reads it on the host
+            # (.item()), which a CUDA graph capture refuses.
+            tok = self.d2t_ids.index_select(0, lg[0, -1].argmax(-1).view(1))
+            self.drafts[i : i + 1].copy_(tok)
             if i == self.k - 1:
                 break
             p = (self.length + i).view(1)

@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_train.sh c   # the quickstart goes on (every stage resumes)
 #   bash benchmarks/gpu_train.sh d   # the quickstart finishes; its drafter comes home; `specdec bench` with it
 #   bash benchmarks/gpu_train.sh e   # the drafter in CUDA graphs (drafter_step.py), bench with --static-drafter
+#   bash benchmarks/gpu_train.sh f   # (after a, instead of b..e) second half, a shorter quickstart (2,000 prompts), both benches
 #   bash benchmarks/gpu_train.sh r   # (after b, instead of c/d) training recipes at the CPU data size
 #
 # A machine without PyPI access gets the SmolLM2 GGUF in two halves (.devdata/p1/part0,
@@ -50,6 +51,23 @@ case "$1" in
     timeout 300 python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
       --limit 5 --max-new-tokens 256 --static-drafter --out "$OUT/bench_eagle3_gpu_static.json" 2>&1 \
       | grep -v Warning | tail -40 | tee "$OUT/bench_eagle3_gpu_static.log"
+    ;;
+  f)
+    [ -f /root/m/part0 ] || { echo "first GGUF half missing: the machine was replaced between parts"; exit 3; }
+    mkdir -p "$GGUF_DIR"
+    cat /root/m/part0 .devdata/p2/part1 > "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+    echo "$SHA  $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
+    specdec models fetch smollm2-135m-instruct 2>&1 | tail -1
+    timeout "${QS_S:-330}" python3 -m specdec quickstart --out /root/qs-gpu --prompts 2000 --eval-prompts 10 --json \
+      > "$OUT/quickstart.jsonl" 2> "$OUT/quickstart_gpu_f.log"
+    grep -v Warning "$OUT/quickstart_gpu_f.log" | grep -v "^ " | tail -12; cat "$OUT/quickstart.jsonl"
+    cp /root/qs-gpu/train/train_summary.json "$OUT/" 2>/dev/null
+    for mode in eager static; do
+      extra=(--k 3,5); limit=150; [ $mode = static ] && extra=(--static-drafter --no-hf) && limit=90
+      timeout "$limit" python3 -m specdec bench --target smollm2-135m-instruct \
+        --drafter /root/qs-gpu/train/drafter --limit 5 --max-new-tokens 256 "${extra[@]}" \
+        --out "$OUT/bench_eagle3_gpu_$mode.json" 2>&1 | grep -v Warning | tail -30 | tee "$OUT/bench_eagle3_gpu_$mode.log"
+    done
     ;;
   r)
     # Training recipes at the CPU quickstart's data size (BENCHMARKS.md, "Drafter training recipes").

@@ -85,3 +85,36 @@ def test_cached_target_argmax_gives_the_same_loss(tiny_targets):
     for out in (first, again):
         torch.testing.assert_close(out.loss, fresh.loss)
         assert torch.equal(out.counted, fresh.counted) and torch.equal(out.correct, fresh.correct)
+
+
+def test_accuracy_counts_tokens_outside_the_draft_vocab_as_misses(tiny_targets):
+    """The simulated acceptance must be what the engine would measure: every assistant token is a
+    chance, and one the draft vocab cannot express is a miss, not a position left out."""
+    from specdec.train.ttt import Batch, TargetHead, ttt_loss
+
+    target = tiny_targets["llama"]
+    head = TargetHead.from_target(target)
+    g = torch.Generator().manual_seed(3)
+    n = 40
+    ids = torch.randint(3, target.vocab_size, (n,), generator=g)
+    with torch.no_grad():
+        out = target.forward(ids[None], capture=True)
+    mask = (torch.rand(n, generator=g) < 0.8).to(torch.uint8)
+    sample = {"input_ids": ids.int(), "loss_mask": mask, "aux_hidden": out.aux_hidden[0],
+              "last_hidden": out.last_hidden[0]}
+    full_argmax = out.logits[0].argmax(-1)  # the target's token after each index
+    drafter = random_drafter(target, seed=2, norm_output=False, norm_before_residual=False)
+    counts = []  # assistant tokens the vocab cannot express
+    for keep in (full_argmax[1:20], full_argmax[1:]):  # a vocab that misses some targets, one that has all
+        extra = torch.tensor([t for t in torch.randperm(target.vocab_size).tolist() if t not in set(keep.tolist())])
+        drafter.set_vocab_mapping(torch.cat([keep.unique(), extra])[:128])
+        with torch.no_grad():
+            res = ttt_loss(drafter, Batch.collate([dict(sample)], "cpu"), head, steps=2)
+            step0 = next(iter(ttt_unroll(drafter, ids[None], out.aux_hidden, 1)))[0]
+        drafted = drafter.draft_to_target[step0.argmax(-1)]  # index t drafts the token at t + 2
+        expected = sum(int(mask[t + 2]) and int(drafted[t] == full_argmax[t + 1]) for t in range(n - 2))
+        assert int(res.counted) == int(mask[2:].sum())  # every assistant token, whatever the vocab
+        assert int(res.step_correct[0]) == expected
+        missing = sum(int(mask[t + 2]) and not bool(drafter.t2d[full_argmax[t + 1]]) for t in range(n - 2))
+        counts.append(missing)
+    assert counts[0] > 0 and counts[1] == 0  # the first vocab really leaves assistant tokens out

@@ -156,8 +156,12 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
     needed = batch.loss_mask.roll(-1, dims=1) & batch.valid
     logp_target, in_vocab = target_distribution(head, batch.last_hidden, draft_ids, raw.t2d, needed,
                                                 batch.target_argmax)
-    # Positions j = t + 2 + s whose token is an assistant token the draft vocab can express.
-    scored = batch.loss_mask & in_vocab.roll(1, dims=1) & batch.valid
+    # Positions j = t + 2 + s whose token is an assistant token the draft vocab can express: the
+    # loss covers these. The accuracies count every assistant token, those outside the draft vocab
+    # as misses, as the engine does (counting only the expressible ones overstated acceptance by
+    # the vocab's coverage at every position).
+    eligible = batch.loss_mask & batch.valid
+    scored = eligible & in_vocab.roll(1, dims=1)
     loss = torch.zeros((), device=dev)
     correct, step_correct = [], []
     counted = torch.zeros((), device=dev)
@@ -179,8 +183,9 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
         with torch.no_grad():
             right = (logits.argmax(-1) == tgt.argmax(-1)) & m
             if s == 0:
-                counted = w.sum()
-                base = m.clone()
+                base = torch.zeros_like(eligible)
+                base[:, :n] = eligible[:, 2 : 2 + n]
+                counted = base.sum().float()
                 alive = right.clone()
             else:
                 # Chain acceptance as a greedy target would give it: every step <= s right.

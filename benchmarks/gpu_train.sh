@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_train.sh b   # second half -> SmolLM2 folder; start `specdec quickstart` (GPU defaults)
 #   bash benchmarks/gpu_train.sh c   # the quickstart goes on (every stage resumes)
 #   bash benchmarks/gpu_train.sh d   # the quickstart finishes; its drafter comes home; `specdec bench` with it
-#   bash benchmarks/gpu_train.sh e   # the drafter in CUDA graphs (drafter_step.py), bench with --static-drafter
+#   bash benchmarks/gpu_train.sh e   # the drafter in CUDA graphs (drafter_step.py), bench (static drafter, the default)
 #   bash benchmarks/gpu_train.sh f   # (after a, instead of b..e) second half, a shorter quickstart (2,000 prompts), both benches
 #   bash benchmarks/gpu_train.sh r   # (after b, instead of c/d) training recipes at the CPU data size
 #
@@ -49,7 +49,7 @@ case "$1" in
     timeout 200 python3 benchmarks/drafter_step.py --e2e --rounds 100 --out "$OUT" 2>&1 | grep -v Warning \
       | grep -v "^ \|^-" | tee "$OUT/drafter_step.log"
     timeout 300 python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
-      --limit 5 --max-new-tokens 256 --static-drafter --out "$OUT/bench_eagle3_gpu_static.json" 2>&1 \
+      --limit 5 --max-new-tokens 256 --out "$OUT/bench_eagle3_gpu_static.json" 2>&1 \
       | grep -v Warning | tail -40 | tee "$OUT/bench_eagle3_gpu_static.log"
     ;;
   f)
@@ -63,7 +63,7 @@ case "$1" in
     grep -v Warning "$OUT/quickstart_gpu_f.log" | grep -v "^ " | tail -12; cat "$OUT/quickstart.jsonl"
     cp /root/qs-gpu/train/train_summary.json "$OUT/" 2>/dev/null
     for mode in eager static; do
-      extra=(--k 3,5); limit=150; [ $mode = static ] && extra=(--static-drafter --no-hf) && limit=90
+      extra=(--k 3,5 --eager-drafter); limit=150; [ $mode = static ] && extra=(--no-hf) && limit=90
       timeout "$limit" python3 -m specdec bench --target smollm2-135m-instruct \
         --drafter /root/qs-gpu/train/drafter --limit 5 --max-new-tokens 256 "${extra[@]}" \
         --out "$OUT/bench_eagle3_gpu_$mode.json" 2>&1 | grep -v Warning | tail -30 | tee "$OUT/bench_eagle3_gpu_$mode.log"
@@ -102,7 +102,7 @@ save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t
       --limit 5 --max-new-tokens 256 --out "$OUT/bench_eagle3_gpu.json" 2>&1 | grep -v Warning | tail -40 \
       | tee "$OUT/bench_eagle3_gpu.log"
     timeout "${BENCH_S:-200}" python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
-      --limit 5 --max-new-tokens 256 --static-drafter --no-hf --out "$OUT/bench_eagle3_gpu_static.json" 2>&1 \
+      --limit 5 --max-new-tokens 256 --no-hf --out "$OUT/bench_eagle3_gpu_static.json" 2>&1 \
       | grep -v Warning | tail -40 | tee "$OUT/bench_eagle3_gpu_static.log"
     ;;
 esac

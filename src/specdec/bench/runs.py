@@ -216,7 +216,7 @@ def run_bench(
     tree=None,
     fast: bool | None = None,
     hf: bool = True,
-    static_drafter: bool = False,
+    static_drafter: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Time every method over `prompts`; returns {"rows": [...], "fast": bool, ...}."""
@@ -240,30 +240,36 @@ def run_bench(
     def warm(e):
         return (lambda: e.warmup()) if use_fast else None
 
+    def add(row: Row) -> Row:
+        # Each row's figure goes out as soon as it is measured: a run cut short keeps what it timed.
+        rows.append(row)
+        al = f", acceptance length {row.mean_acceptance_length:.2f}" if row.mean_acceptance_length else ""
+        say(f"{row.method}: {row.error or f'{row.tok_s:.1f} tok/s'}{al}")
+        return row
+
     if hf:
         say("hf-generate")
-        rows.append(_time_method(Row(method="hf-generate", engine="hf"), hf_generate(target), prompts, max_new_tokens, dev))
+        add(_time_method(Row(method="hf-generate", engine="hf"), hf_generate(target), prompts, max_new_tokens, dev))
         say("hf-prompt-lookup")
-        rows.append(_time_method(Row(method="hf-prompt-lookup", engine="hf"),
-                                 hf_generate(target, prompt_lookup_tokens), prompts, max_new_tokens, dev))
+        add(_time_method(Row(method="hf-prompt-lookup", engine="hf"),
+                         hf_generate(target, prompt_lookup_tokens), prompts, max_new_tokens, dev))
     say("specdec-plain")
-    plain = _time_method(Row(method="specdec-plain", engine=kind), engine_run(plain_engine), prompts,
-                         max_new_tokens, dev, warm(plain_engine))
-    rows.append(plain)
+    plain = add(_time_method(Row(method="specdec-plain", engine=kind), engine_run(plain_engine), prompts,
+                             max_new_tokens, dev, warm(plain_engine)))
     say("specdec-ngram")
     e = engine(ngram=ngram, k=ngram_k)
-    rows.append(_time_method(Row(method="specdec-ngram", engine=kind), engine_run(e), prompts, max_new_tokens, dev, warm(e)))
+    add(_time_method(Row(method="specdec-ngram", engine=kind), engine_run(e), prompts, max_new_tokens, dev, warm(e)))
     if drafter is not None:
         for k in ks:
             say(f"specdec-eagle3-k{k}")
             e = engine(drafter=drafter, k=k)
-            rows.append(_time_method(Row(method=f"specdec-eagle3-k{k}", engine=kind), engine_run(e), prompts,
-                                     max_new_tokens, dev, warm(e)))
+            add(_time_method(Row(method=f"specdec-eagle3-k{k}", engine=kind), engine_run(e), prompts,
+                             max_new_tokens, dev, warm(e)))
         if tree is not None:
             say("specdec-eagle3-tree")
             e = engine(drafter=drafter, tree=tree)
-            rows.append(_time_method(Row(method="specdec-eagle3-tree", engine=kind), engine_run(e), prompts,
-                                     max_new_tokens, dev, warm(e)))
+            add(_time_method(Row(method="specdec-eagle3-tree", engine=kind), engine_run(e), prompts,
+                             max_new_tokens, dev, warm(e)))
     for r in rows:
         if r is not plain:
             _agreement(r, plain)

@@ -48,9 +48,9 @@ def register(subparsers) -> None:
                    help="auto, bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on CPU; auto: bf16 also on CPUs "
                         "with native bf16)")
     p.add_argument("--reference", action="store_true", help="use the reference engine even on a GPU")
-    p.add_argument("--static-drafter", action="store_true",
-                   help="fast path: EAGLE-3 chains draft in CUDA graphs (StaticChainDrafter; "
-                        "not yet measured on a GPU)")
+    p.add_argument("--eager-drafter", action="store_true",
+                   help="fast path: EAGLE-3 chains draft eagerly instead of in CUDA graphs "
+                        "(StaticChainDrafter, the default: 1.4 against 9.5 ms per round on an H200)")
     p.add_argument("--no-hf", action="store_true", help="skip the two HF rows")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON result to FILE")
     p.add_argument("--json", action="store_true", help="print exactly one JSON line")
@@ -114,7 +114,7 @@ def run(args) -> int:
     result = run_bench(
         target, prompts, max_new_tokens=args.max_new_tokens, drafter=drafter, ngram=args.ngram,
         ngram_k=args.ngram_k, prompt_lookup_tokens=args.prompt_lookup_tokens, ks=ks, tree=tree,
-        fast=False if args.reference else None, hf=not args.no_hf, static_drafter=args.static_drafter, progress=say,
+        fast=False if args.reference else None, hf=not args.no_hf, static_drafter=not args.eager_drafter, progress=say,
     )
     result.update(target=args.target, drafter=args.drafter, prompt_source=args.prompts,
                   dtype=str(target.dtype).replace("torch.", ""), env=device_info())

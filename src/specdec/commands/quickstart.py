@@ -166,6 +166,9 @@ def run(args) -> int:
         table.add_row(f"tree (depth {tree['depth']}, top-k 8, 48 tokens): mean acceptance length",
                       f"{tree['mean_acceptance_length']:.2f}")
         table.add_row("tree: tok/s, speedup", f"{tree['tokens_per_s']:.1f}, {tree['speedup'] or 0:.2f}x")
+    if result.get("skipped_prompts"):  # prompts too long for the target's context with the answer
+        table.add_row("MT-Bench questions evaluated", f"{result['num_prompts']} of "
+                      f"{result['num_prompts'] + result['skipped_prompts']} (the rest exceed the context)")
     table.add_row("total time", f"{(time.perf_counter() - t_start) / 60:.1f} min")
     Console(file=sys.stderr if args.json else sys.stdout).print(table)
     if not args.json:
@@ -179,6 +182,7 @@ def run(args) -> int:
         "tokens_per_s": result["tokens_per_s"], "plain_tokens_per_s": result.get("plain_tokens_per_s"),
         "speedup": result.get("speedup"), "tree": tree, "device": str(target.device),
         "dtype": dtype_name(target.dtype),
+        "questions": result["num_prompts"], "questions_skipped": result.get("skipped_prompts", 0),
         "seconds": {k: round(v, 1) for k, v in timings.items()},
     }
     print(json.dumps(line))

@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_train.sh e   # the drafter in CUDA graphs (drafter_step.py), bench (static drafter, the default)
 #   bash benchmarks/gpu_train.sh f   # (after a, instead of b..e) second half, a shorter quickstart (2,000 prompts), both benches
 #   bash benchmarks/gpu_train.sh r   # (after b, instead of c/d) training recipes at the CPU data size
+#   bash benchmarks/gpu_train.sh g   # stage the first GGUF half; capture and training throughput on 8B shapes
+#   bash benchmarks/gpu_train.sh h   # (after g) second half, quickstart with 4x the optimizer steps, the full bench
 #
 # A machine without PyPI access gets the SmolLM2 GGUF in two halves (.devdata/p1/part0,
 # .devdata/p2/part1), the prompt sets as a SPECDEC_HOME data folder (.devdata/home/data) and the
@@ -68,6 +70,28 @@ case "$1" in
         --drafter /root/qs-gpu/train/drafter --limit 5 --max-new-tokens 256 "${extra[@]}" \
         --out "$OUT/bench_eagle3_gpu_$mode.json" 2>&1 | grep -v Warning | tail -30 | tee "$OUT/bench_eagle3_gpu_$mode.log"
     done
+    ;;
+  g)
+    cp .devdata/p1/part0 /root/m/ && mkdir -p "$SPECDEC_HOME" && cp -r .devdata/home/data "$SPECDEC_HOME/"
+    { nvidia-smi --query-gpu=name,driver_version --format=csv;
+      python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
+      | tee "$OUT/env_gpu_train.txt"
+    timeout 420 python3 benchmarks/throughput_8b.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/throughput_8b.log"
+    ;;
+  h)
+    [ -f /root/m/part0 ] || { echo "first GGUF half missing: the machine was replaced between parts"; exit 3; }
+    mkdir -p "$GGUF_DIR"
+    cat /root/m/part0 .devdata/p2/part1 > "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+    echo "$SHA  $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
+    specdec models fetch smollm2-135m-instruct 2>&1 | tail -1
+    # 4,096 tokens per batch instead of 16,384: 4x the optimizer steps for the same tokens.
+    timeout "${QS_S:-380}" python3 -m specdec quickstart --out /root/qs-gpu --prompts "${QS_PROMPTS:-2500}" \
+      --batch-tokens 4096 --eval-prompts 10 --json > "$OUT/quickstart_h.jsonl" 2> "$OUT/quickstart_gpu_h.log"
+    grep -v Warning "$OUT/quickstart_gpu_h.log" | grep -v "^ " | tail -14; cat "$OUT/quickstart_h.jsonl"
+    cp /root/qs-gpu/train/train_summary.json "$OUT/train_summary_h.json" 2>/dev/null
+    [ -d /root/qs-gpu/train/drafter ] && timeout "${BENCH_S:-170}" python3 -m specdec bench \
+      --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter --limit 5 --max-new-tokens 256 \
+      --out "$OUT/bench_eagle3_gpu_h.json" 2>&1 | grep -v Warning | tail -24 | tee "$OUT/bench_eagle3_gpu_h.log"
     ;;
   r)
     # Training recipes at the CPU quickstart's data size (BENCHMARKS.md, "Drafter training recipes").

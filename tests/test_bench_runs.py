@@ -18,3 +18,16 @@ def test_each_row_is_reported_when_measured(tiny_targets):
         later = methods[methods.index(m) + 1 :]
         if later:  # reported before the next row starts
             assert report < lines.index(later[0])
+
+
+def test_hf_assisted_row_is_lossless_against_plain(tiny_targets):
+    # The target as its own assistant: HF assisted generation runs its full draft/verify loop and,
+    # greedy, must give exactly the target's own tokens.
+    target = tiny_targets["llama"]
+    result = run_bench(target, [[5, 6, 7, 8, 9], [9, 8, 7]], max_new_tokens=8, fast=False, assistant=target)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["hf-generate", "hf-prompt-lookup", "hf-assisted", "specdec-plain", "specdec-ngram"]
+    assisted = rows["hf-assisted"]
+    assert assisted["error"] is None and assisted["new_tokens"] > 0
+    assert assisted["identical_to_plain"] == 2
+    assert assisted["vs_hf_generate"] is not None

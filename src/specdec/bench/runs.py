@@ -4,6 +4,8 @@ in one process, so every ratio compares figures taken minutes apart on the same 
 Methods (rows of the table, in order):
     hf-generate          model.generate, greedy (HF's own baseline)
     hf-prompt-lookup     model.generate(prompt_lookup_num_tokens=...)
+    hf-assisted          model.generate(assistant_model=...) (with an assistant model: HF's
+                         assisted generation, the classic draft-model baseline)
     specdec-plain        our engine, no drafts (the fast path on a CUDA GPU, else the reference)
     specdec-ngram        prompt lookup in our engine
     specdec-eagle3-k{k}  EAGLE-3 chain of k drafts (with a drafter)
@@ -133,7 +135,10 @@ def _sync(dev) -> None:
         torch.cuda.synchronize()
 
 
-def hf_generate(target, prompt_lookup: int | None = None) -> Callable[[list[int], int], tuple[list[int], dict]]:
+def hf_generate(target, prompt_lookup: int | None = None, assistant=None
+                ) -> Callable[[list[int], int], tuple[list[int], dict]]:
+    """HF generate, greedy; with `prompt_lookup` or `assistant` (a Target sharing the
+    tokenizer) its own speculative modes."""
     model = target.model
     eos = list(target.eos_token_ids)
     pad = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
@@ -146,6 +151,8 @@ def hf_generate(target, prompt_lookup: int | None = None) -> Callable[[list[int]
                   attention_mask=torch.ones_like(ids), temperature=None, top_p=None, top_k=None)
         if prompt_lookup:
             kw["prompt_lookup_num_tokens"] = prompt_lookup
+        if assistant is not None:
+            kw["assistant_model"] = assistant.model
         out = model.generate(ids, **kw)
         return out[0, len(prompt) :].tolist(), {}
 
@@ -216,6 +223,7 @@ def run_bench(
     tree=None,
     fast: bool | None = None,
     hf: bool = True,
+    assistant=None,
     static_drafter: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
@@ -253,6 +261,10 @@ def run_bench(
         say("hf-prompt-lookup")
         add(_time_method(Row(method="hf-prompt-lookup", engine="hf"),
                          hf_generate(target, prompt_lookup_tokens), prompts, max_new_tokens, dev))
+    if assistant is not None:
+        say("hf-assisted")
+        add(_time_method(Row(method="hf-assisted", engine="hf"), hf_generate(target, assistant=assistant),
+                         prompts, max_new_tokens, dev))
     say("specdec-plain")
     plain = add(_time_method(Row(method="specdec-plain", engine=kind), engine_run(plain_engine), prompts,
                              max_new_tokens, dev, warm(plain_engine)))

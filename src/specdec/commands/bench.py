@@ -7,7 +7,8 @@ import argparse
 
 DESCRIPTION = """\
 Time the same chat prompts through: HF generate (greedy), HF prompt lookup
-(generate(prompt_lookup_num_tokens=N)), specdec plain, specdec n-gram and, with --drafter,
+(generate(prompt_lookup_num_tokens=N)), with --assistant HF assisted generation
+(generate(assistant_model=...)), specdec plain, specdec n-gram and, with --drafter,
 specdec EAGLE-3 chains of k = 1..7 drafts and a dynamic tree. On a CUDA GPU, specdec rows use the
 fast path (static KV cache, CUDA graphs; Llama/Qwen2/Qwen3/Mistral targets); elsewhere, or with
 --reference, the reference engine. Ratios are taken within this run. Prints a table, then one
@@ -18,6 +19,8 @@ examples:
   specdec bench --target smollm2-135m-instruct --prompts mt-bench --limit 10
   specdec bench --target smollm2-135m-instruct --drafter runs/drafter --json > bench.json
   specdec bench --target ./my-model --prompts my_prompts.jsonl --reference --no-hf
+  specdec bench --target qwen2.5-coder-1.5b-instruct --assistant qwen2.5-coder-0.5b-instruct \
+      --drafter runs/qwen/train/drafter --k 2,3 --tree none --limit 5 --max-new-tokens 96
 """
 
 
@@ -51,7 +54,10 @@ def register(subparsers) -> None:
     p.add_argument("--eager-drafter", action="store_true",
                    help="fast path: EAGLE-3 chains draft eagerly instead of in CUDA graphs "
                         "(StaticChainDrafter, the default: 1.4 against 9.5 ms per round on an H200)")
-    p.add_argument("--no-hf", action="store_true", help="skip the two HF rows")
+    p.add_argument("--assistant", default=None, metavar="MODEL",
+                   help="also time HF assisted generation with this draft model (same tokenizer as the "
+                        "target), e.g. qwen2.5-coder-0.5b-instruct for a qwen2.5-coder-1.5b-instruct target")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF rows")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON result to FILE")
     p.add_argument("--json", action="store_true", help="print exactly one JSON line")
     p.set_defaults(func=run)
@@ -108,15 +114,25 @@ def run(args) -> int:
         from specdec.models.formats import load_drafter
 
         drafter = load_drafter(args.drafter, target, dtype=target.dtype)
+    assistant = None
+    if args.assistant and not args.no_hf:
+        from specdec.errors import SpecdecError
+
+        say(f"loading the assistant {args.assistant}")
+        assistant = load_target(args.assistant, device=device, dtype=args.dtype)
+        if len(assistant.tokenizer) != len(target.tokenizer):
+            raise SpecdecError(f"--assistant {args.assistant} has a {len(assistant.tokenizer):,}-token tokenizer, "
+                               f"the target {len(target.tokenizer):,}; HF assisted generation here needs the "
+                               f"same tokenizer (e.g. a smaller model of the same family)")
     limit = args.limit or (10 if device.startswith("cuda") else 3)
     prompts = load_prompts(args.prompts, target.tokenizer, limit)
     say(f"{len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens each")
     result = run_bench(
         target, prompts, max_new_tokens=args.max_new_tokens, drafter=drafter, ngram=args.ngram,
         ngram_k=args.ngram_k, prompt_lookup_tokens=args.prompt_lookup_tokens, ks=ks, tree=tree,
-        fast=False if args.reference else None, hf=not args.no_hf, static_drafter=not args.eager_drafter, progress=say,
+        fast=False if args.reference else None, hf=not args.no_hf, assistant=assistant, static_drafter=not args.eager_drafter, progress=say,
     )
-    result.update(target=args.target, drafter=args.drafter, prompt_source=args.prompts,
+    result.update(target=args.target, drafter=args.drafter, assistant=args.assistant, prompt_source=args.prompts,
                   dtype=str(target.dtype).replace("torch.", ""), env=device_info())
     line = json.dumps(result)
     if args.out:

@@ -123,6 +123,18 @@ def test_dtype_flag_sets_the_matmul_precision(tiny, capture_dir, tmp_path):
         assert json.loads((out / "train_summary.json").read_text())["matmul_dtype"] == want
 
 
+def test_intermediate_size_sets_the_drafter_mlp_width(tiny, capture_dir, tmp_path):
+    out = tmp_path / "narrow"
+    r = subprocess.run(train_cmd(tiny, capture_dir, out, "--max-steps", "2", "--intermediate-size", "24"),
+                       env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    target = load_target(tiny, device="cpu")
+    assert json.loads((out / "drafter" / "config.json").read_text())["intermediate_size"] == 24
+    drafter = load_drafter(out / "drafter", target)
+    assert drafter.midlayer.mlp.gate_proj.weight.shape[0] == 24
+    assert target.config.intermediate_size != 24  # not the target's width by accident
+
+
 def test_vocab_mapping_survives_init(tiny, capture_dir, tmp_path):
     target = load_target(tiny, device="cpu")
     base = TrainConfig(out=str(tmp_path / "a"), max_steps=3, draft_vocab_size=64, batch_tokens=1024, ttt_steps=2,

@@ -45,6 +45,9 @@ def register(subparsers) -> None:
     p.add_argument("--init", metavar="DIR", help="start from this drafter (its vocab mapping is kept)")
     p.add_argument("--rebuild-vocab", action="store_true", help="with --init: rebuild d2t from this data")
     p.add_argument("--norm-before-residual", action="store_true", help="residual = normed fc output (vLLM flag)")
+    p.add_argument("--intermediate-size", type=int, metavar="N",
+                   help="drafter MLP width (default: the target's); narrower trains and drafts faster, and "
+                        "vLLM/SGLang read it from the exported config")
     p.add_argument("--eval-percent", type=float, default=5.0, help="held-out share of samples (default: 5)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--save-every", type=int, default=200)
@@ -111,7 +114,7 @@ def run(args) -> int:
                       draft_vocab_size=args.draft_vocab_size, eval_percent=args.eval_percent,
                       eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
                       max_steps=args.max_steps, rebuild_vocab=args.rebuild_vocab,
-                      norm_before_residual=args.norm_before_residual,
+                      norm_before_residual=args.norm_before_residual, intermediate_size=args.intermediate_size,
                       bf16=None if args.dtype == "auto" else args.dtype == "bf16")
     summary = train(target, source, cfg, init=args.init, resume=args.resume, target_name=str(args.target))
     if int(os.environ.get("RANK", 0)) == 0:

@@ -52,6 +52,7 @@ class TrainConfig:
     max_steps: int | None = None
     rebuild_vocab: bool = False
     norm_before_residual: bool = False
+    intermediate_size: int | None = None  # drafter MLP width; None: the target's
     bf16: bool | None = None  # bf16 autocast; None: where precision.compute_dtype says bf16
     extra: dict = field(default_factory=dict)
 
@@ -112,7 +113,8 @@ def make_drafter(target, source, cfg: TrainConfig, init: str | None) -> tuple[Ea
     else:
         dcfg = DrafterConfig.for_target(target.config, draft_vocab_size=cfg.draft_vocab_size,
                                         aux_layer_ids=target.aux_layer_ids,
-                                        norm_before_residual=cfg.norm_before_residual)
+                                        norm_before_residual=cfg.norm_before_residual,
+                                        **({"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}))
         torch.manual_seed(cfg.seed)
         drafter = Eagle3Drafter(dcfg)
         copy_target_embedding(drafter, target)

@@ -273,3 +273,18 @@ def test_error_mid_capture_leaves_only_complete_shards(target, tmp_path, monkeyp
     monkeypatch.setattr(run_mod, "forward_padded", real)
     capture(target, out, records(8), batch_size=1, shard_tokens=200)
     assert sorted(CaptureStore(out).sample_ids) == sorted(f"s{i}" for i in range(8))
+
+
+def test_fingerprint_ignores_the_load_dtype_but_not_the_weights(tiny_dirs, tmp_path):
+    # `specdec capture --model-dtype bf16` then `specdec train` (target loaded in fp32) is one
+    # target; the same folder with one weight changed is another.
+    from specdec.models.target import load_target
+
+    bf16 = load_target(str(tiny_dirs["llama"]), device="cpu", dtype="bf16")
+    fp32 = load_target(str(tiny_dirs["llama"]), device="cpu", dtype="fp32")
+    capture(bf16, tmp_path / "cap", records(2))
+    store = CaptureStore(tmp_path / "cap")
+    assert store.mismatch_with(fp32) == []
+    with torch.no_grad():
+        next(fp32.model.parameters()).add_(0.5)
+    assert any("fingerprint" in m for m in store.mismatch_with(fp32))

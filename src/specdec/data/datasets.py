@@ -31,7 +31,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -341,13 +340,6 @@ def _cached_ok(name: str) -> bool:
     return meta.get("format") == FORMAT_VERSION and dataset_path(name).is_file()
 
 
-def _share(f) -> None:
-    """Make a file being written through `atomic_open` (mkstemp: 0600) readable by all."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(f.name, 0o666 & ~mask)
-
-
 def fetch_dataset(name: str) -> Path:
     """Fetch and convert built-in source `name` once; return its cached JSONL."""
     src = BUILTINS[name]
@@ -360,14 +352,12 @@ def fetch_dataset(name: str) -> Path:
         raw = fetch(src.file)
         count = 0
         with atomic_open(out) as f:
-            _share(f)
             for c in _unique_ids(src.build(raw)):
                 f.write(json.dumps(c.to_json(), ensure_ascii=False) + "\n")
                 count += 1
         meta = {"format": FORMAT_VERSION, "source": src.file.spec, "member": src.file.member,
                 "count": count}  # fmt: skip
         with atomic_open(_meta_path(name)) as f:  # written last: marks the JSONL complete
-            _share(f)
             json.dump(meta, f, indent=2)
             f.write("\n")
     return out

@@ -206,7 +206,7 @@ def _building(dest: Path):
             if f.is_file():
                 with open(f, "rb+") as fh:
                     os.fsync(fh.fileno())
-                os.chmod(f, 0o666 & ~mask)  # the cache is shared; some writers use mkstemp
+                os.chmod(f, 0o666 & ~mask)  # the cache is shared, whatever mode a converter wrote
         os.chmod(tmp, 0o777 & ~mask)
         if dest.exists():
             shutil.rmtree(dest)  # an incomplete folder (no SOURCE_FILE); we hold the lock

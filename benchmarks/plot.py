@@ -118,8 +118,32 @@ def plot_recipes() -> None:
     fig.savefig(R / "h200_drafter_recipes.png", dpi=120)
 
 
+def plot_bench(name: str, png: str, title: str) -> None:
+    """A `specdec bench --out` JSON: tok/s per method, the acceptance length over each bar."""
+    d = load(name)
+    rows = [r for r in d["rows"] if r.get("tok_s")]
+    plain = next((r["tok_s"] for r in rows if r["method"] == "specdec-plain"), None)
+    colors = ["#999" if r["engine"] == "hf" else "#59c" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
+    ax.bar([r["method"] for r in rows], [r["tok_s"] for r in rows], color=colors)
+    if plain:
+        ax.axhline(plain, color="k", ls="--", lw=0.8, label=f"specdec plain {plain:.2f} tok/s")
+        ax.legend(fontsize=8)
+    for i, r in enumerate(rows):
+        label = f"{r['tok_s']:.2f}" + (f"\nAL {r['mean_acceptance_length']:.2f}" if r.get("mean_acceptance_length") else "")
+        ax.text(i, r["tok_s"] * 1.01, label, ha="center", va="bottom", fontsize=7)
+    ax.set_ylabel("tok/s (greedy; grey: HF transformers)")
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(R / png, dpi=110)
+
+
 if __name__ == "__main__":
     plot_8b()
     plot_smollm2()
     plot_recipes()
+    if (R / "cpu_qwen15_head_to_head.json").exists():
+        plot_bench("cpu_qwen15_head_to_head.json", "cpu_qwen15_head_to_head.png",
+                   "Qwen2.5-Coder-1.5B-Instruct on a 2-core CPU: HF assisted (0.5B) vs specdec EAGLE-3")
     print("wrote", *sorted(p.name for p in R.glob("*.png")))

@@ -132,6 +132,7 @@ def plot_bench(name: str, png: str, title: str) -> None:
     for i, r in enumerate(rows):
         label = f"{r['tok_s']:.2f}" + (f"\nAL {r['mean_acceptance_length']:.2f}" if r.get("mean_acceptance_length") else "")
         ax.text(i, r["tok_s"] * 1.01, label, ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(0, 1.18 * max(r["tok_s"] for r in rows))
     ax.set_ylabel("tok/s (greedy; grey: HF transformers)")
     ax.set_title(title, fontsize=9)
     ax.tick_params(axis="x", labelrotation=30, labelsize=8)
@@ -143,7 +144,8 @@ if __name__ == "__main__":
     plot_8b()
     plot_smollm2()
     plot_recipes()
-    if (R / "cpu_qwen15_head_to_head.json").exists():
-        plot_bench("cpu_qwen15_head_to_head.json", "cpu_qwen15_head_to_head.png",
-                   "Qwen2.5-Coder-1.5B-Instruct on a 2-core CPU: HF assisted (0.5B) vs specdec EAGLE-3")
+    for dtype, suffix in (("bf16", ""), ("fp32", "_fp32")):
+        if (R / f"cpu_qwen15_head_to_head{suffix}.json").exists():
+            plot_bench(f"cpu_qwen15_head_to_head{suffix}.json", f"cpu_qwen15_head_to_head{suffix}.png",
+                       f"Qwen2.5-Coder-1.5B-Instruct, 2-core CPU, {dtype}: HF assisted (0.5B) vs specdec EAGLE-3")
     print("wrote", *sorted(p.name for p in R.glob("*.png")))

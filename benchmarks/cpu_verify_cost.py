@@ -1,0 +1,82 @@
+"""What verifying T tokens costs on this CPU, against one token: the target's forward with a KV
+cache at T = 1..4 in fp32 and bf16, and the one matrix product that explains the difference.
+
+    python benchmarks/cpu_verify_cost.py [--target qwen2.5-coder-1.5b-instruct]
+
+Writes benchmarks/results/cpu_verify_cost.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from specdec.bench.roofline import device_info
+from specdec.models.target import load_target
+
+
+def median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        times.append(fn())
+    return round(1000 * sorted(times)[len(times) // 2], 2)
+
+
+def forward_ms(model, T: int, reps: int = 5) -> float:
+    prompt = torch.randint(0, 1000, (1, 64))
+
+    def once():
+        cache = DynamicCache()
+        model(prompt, past_key_values=cache, use_cache=True)
+        x = torch.randint(0, 1000, (1, T))
+        start = time.perf_counter()
+        model(x, past_key_values=cache, use_cache=True)
+        return time.perf_counter() - start
+
+    return median_ms(once, reps)
+
+
+def linear_ms(rows: int, out_features: int, in_features: int, dtype, reps: int = 20) -> dict:
+    w = torch.randn(out_features, in_features, dtype=dtype)
+    x = torch.randn(rows, in_features, dtype=dtype)
+
+    def timed(fn):
+        fn()
+
+        def once():
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+
+        return median_ms(once, reps)
+
+    return {"F.linear": timed(lambda: F.linear(x, w)), "weight @ x.T": timed(lambda: (w @ x.T).T)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    args = ap.parse_args()
+    out = {"target": args.target, "env": device_info(), "forward_ms": {}, "linear_8960x1536_ms": {}}
+    with torch.no_grad():
+        for dtype in ("fp32", "bf16"):
+            model = load_target(args.target, device="cpu", dtype=dtype).model
+            out["forward_ms"][dtype] = {T: forward_ms(model, T) for T in (1, 2, 3, 4)}
+            print(dtype, out["forward_ms"][dtype], flush=True)
+            del model
+            torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+            out["linear_8960x1536_ms"][dtype] = {m: linear_ms(m, 8960, 1536, torch_dtype) for m in (1, 2, 3, 4)}
+            print(dtype, out["linear_8960x1536_ms"][dtype], flush=True)
+    path = Path(__file__).resolve().parent / "results" / "cpu_verify_cost.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

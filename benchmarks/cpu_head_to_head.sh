@@ -13,11 +13,9 @@ mkdir -p "$W"
 # 400 ShareGPT first turns of <= 600 characters (a prefix-stable random sample, seed 1).
 .venv/bin/python - "$W/prompts.jsonl" <<'PY'
 import json, sys
-from specdec.data.datasets import load_conversations
-pool = load_conversations("sharegpt", limit=2000, seed=1)
-short = [c for c in pool if len(c.messages[0]["content"]) <= 600][:400]
+from specdec.data.datasets import short_first_turns
 with open(sys.argv[1], "w") as f:
-    for c in short:
+    for c in short_first_turns("sharegpt", 600, pool=2000, seed=1)[:400]:
         f.write(json.dumps({"id": c.id, "messages": c.messages[:1]}, ensure_ascii=False) + "\n")
 PY
 $S regenerate --target $T --prompts "$W/prompts.jsonl" --single-turn --max-new-tokens 128 --batch-size 48 \

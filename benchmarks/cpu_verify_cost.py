@@ -1,5 +1,6 @@
 """What verifying T tokens costs on this CPU, against one token: the target's forward with a KV
-cache at T = 1..4 in fp32 and bf16, and the one matrix product that explains the difference.
+cache at T = 1..4 in fp32, in fp32 with small products routed through `weight @ x.T`, and in
+bf16; and the one matrix product that explains the difference.
 
     python benchmarks/cpu_verify_cost.py [--target qwen2.5-coder-1.5b-instruct]
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -17,46 +19,44 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from specdec.bench.roofline import device_info
+from specdec.bench.roofline import device_info, time_cuda
 from specdec.models.target import load_target
 
 
-def median_ms(fn, reps: int) -> float:
+def forward_ms(model, T: int, reps: int = 5) -> float:
+    """Median of `reps` forwards of T tokens after a fresh 64-token prefill (not timed)."""
+    prompt = torch.randint(0, 1000, (1, 64))
     times = []
     for _ in range(reps):
-        times.append(fn())
-    return round(1000 * sorted(times)[len(times) // 2], 2)
-
-
-def forward_ms(model, T: int, reps: int = 5) -> float:
-    prompt = torch.randint(0, 1000, (1, 64))
-
-    def once():
         cache = DynamicCache()
         model(prompt, past_key_values=cache, use_cache=True)
         x = torch.randint(0, 1000, (1, T))
         start = time.perf_counter()
         model(x, past_key_values=cache, use_cache=True)
-        return time.perf_counter() - start
+        times.append(time.perf_counter() - start)
+    return round(1000 * statistics.median(times), 2)
 
-    return median_ms(once, reps)
+
+def few_rows_as_weight_times_x(model) -> None:
+    """Route the model's linear layers through `weight @ x.T` when they see <= 4 rows (the
+    alternative measured against fp32 `F.linear`'s small-row path)."""
+
+    def forward(self, x):
+        if x.numel() // x.shape[-1] > 4:
+            return F.linear(x, self.weight, self.bias)
+        y = (self.weight @ x.reshape(-1, x.shape[-1]).T).T.reshape(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = forward.__get__(module)
 
 
-def linear_ms(rows: int, out_features: int, in_features: int, dtype, reps: int = 20) -> dict:
+def linear_ms(rows: int, out_features: int, in_features: int, dtype) -> dict:
     w = torch.randn(out_features, in_features, dtype=dtype)
     x = torch.randn(rows, in_features, dtype=dtype)
-
-    def timed(fn):
-        fn()
-
-        def once():
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-
-        return median_ms(once, reps)
-
-    return {"F.linear": timed(lambda: F.linear(x, w)), "weight @ x.T": timed(lambda: (w @ x.T).T)}
+    return {name: round(time_cuda(fn, iters=5, repeats=5)["ms"], 2)
+            for name, fn in (("F.linear", lambda: F.linear(x, w)), ("weight @ x.T", lambda: (w @ x.T).T))}
 
 
 def main() -> None:
@@ -69,6 +69,10 @@ def main() -> None:
             model = load_target(args.target, device="cpu", dtype=dtype).model
             out["forward_ms"][dtype] = {T: forward_ms(model, T) for T in (1, 2, 3, 4)}
             print(dtype, out["forward_ms"][dtype], flush=True)
+            if dtype == "fp32":
+                few_rows_as_weight_times_x(model)
+                out["forward_ms"]["fp32, weight @ x.T for <= 4 rows"] = {T: forward_ms(model, T) for T in (1, 2, 3, 4)}
+                print("fp32, weight @ x.T", out["forward_ms"]["fp32, weight @ x.T for <= 4 rows"], flush=True)
             del model
             torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
             out["linear_8960x1536_ms"][dtype] = {m: linear_ms(m, 8960, 1536, torch_dtype) for m in (1, 2, 3, 4)}

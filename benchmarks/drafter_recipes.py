@@ -22,7 +22,7 @@ import torch
 
 from specdec.capture.run import load_records, run_capture
 from specdec.capture.store import CaptureStore
-from specdec.data.datasets import load_conversations
+from specdec.data.datasets import load_conversations, short_first_turns
 from specdec.data.regenerate import RegenConfig, regenerate_local
 from specdec.engine.fast import make_engine
 from specdec.evaluate import evaluate
@@ -61,8 +61,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     target = load_target(args.target, dtype="fp32")  # the CPU's numerics
 
-    pool = load_conversations("sharegpt", limit=20 * args.prompts, seed=0)
-    short = [c for c in pool if len(c.messages[0]["content"]) <= 600]
+    short = short_first_turns("sharegpt", 600, pool=20 * args.prompts)
     t = time.perf_counter()
     regenerate_local(target, short[: 3 * args.prompts], work / "regen3.jsonl",
                      RegenConfig(max_new_tokens=128, single_turn=True), batch_size=3 * args.prompts, progress=False)

@@ -80,7 +80,7 @@ def run(args) -> int:
 
     from ..capture.run import load_records, run_capture
     from ..capture.store import CaptureStore
-    from ..data.datasets import load_conversations
+    from ..data.datasets import load_conversations, short_first_turns
     from ..data.regenerate import RegenConfig, regenerate_local
     from ..engine.fast import make_engine
     from ..engine.tree import TreeConfig
@@ -114,8 +114,7 @@ def run(args) -> int:
     timings["load"] = time.perf_counter() - t
 
     t = stage(f"2/5 regenerate {d['prompts']} ShareGPT prompts")
-    pool = load_conversations("sharegpt", limit=max(4 * d["prompts"], 200), seed=0)
-    convs = [c for c in pool if len(c.messages[0]["content"]) <= args.max_prompt_chars][: d["prompts"]]
+    convs = short_first_turns("sharegpt", args.max_prompt_chars, pool=max(4 * d["prompts"], 200))[: d["prompts"]]
     regenerate_local(target, convs, out / "regen.jsonl",
                      RegenConfig(max_new_tokens=d["max_new_tokens"], single_turn=True), batch_size=d["batch_size"])
     timings["regenerate"] = time.perf_counter() - t

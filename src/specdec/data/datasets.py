@@ -392,3 +392,10 @@ def load_conversations(source: str, limit: int | None = None, seed: int = 0) -> 
             random.Random(seed).shuffle(order)
             convs = [convs[i] for i in order[:limit]]
     return convs
+
+
+def short_first_turns(source: str, max_chars: int, *, pool: int, seed: int = 0) -> list[Conversation]:
+    """The conversations of a random sample of `pool` (as `load_conversations` draws it) whose
+    first turn has at most `max_chars` characters, in sample order: short prompts keep CPU runs
+    short, and a larger pool only adds to the end of the list."""
+    return [c for c in load_conversations(source, limit=pool, seed=seed) if len(c.messages[0]["content"]) <= max_chars]

@@ -6,13 +6,16 @@ drafter's attention call:
   sdpa       F.scaled_dot_product_attention as torch picks its backend
   no-cudnn   the same call with the cuDNN backend excluded (the drafter's, small_query_attention)
   explicit   grouped-query matmul, softmax, matmul written out
-then StaticChainDrafter (the same drafter, fixed shapes, two CUDA graphs per round) against the
-eager proposer: ms per round and whether the drafts agree. Profiles follow for sdpa and explicit.
+then StaticChainDrafter (the same drafter, fixed shapes, two CUDA graphs per round), its steps
+captured as they are and compiled by inductor first, against the eager proposer: ms per round and
+whether the drafts agree. Profiles follow for sdpa and explicit.
 With --e2e, also FastEngine on a random SmolLM2-shaped target (byte tokenizer): ms per step of
-plain decoding and of EAGLE-3 chains (k = 5, eager proposer and StaticChainDrafter); random
-weights accept nothing, so a step is one verify of 6 tokens plus one drafting round.
+plain decoding and of EAGLE-3 chains (k = 5 with the eager proposer and StaticChainDrafter, k = 3
+with StaticChainDrafter); random weights accept nothing, so a step is one verify of k + 1 tokens
+plus one drafting round.
 
   python benchmarks/drafter_step.py --out benchmarks/results
+  python benchmarks/drafter_step.py --static-only --e2e --rounds 100 --out $OUT
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ def e2e(dev, res, out) -> None:
     plain = FastEngine(target, max_len=512, require_cuda=False)
     rows = {}
     for name, kw in (("plain", {}), ("eagle3-k5-eager", {"drafter": drafter, "k": 5, "static_drafter": False}),
-                     ("eagle3-k5-static", {"drafter": drafter, "k": 5, "static_drafter": True})):
+                     ("eagle3-k5-static", {"drafter": drafter, "k": 5, "static_drafter": True}),
+                     ("eagle3-k3-static", {"drafter": drafter, "k": 3, "static_drafter": True})):
         e = plain if name == "plain" else FastEngine(target, max_len=512, decoder=plain.fast, require_cuda=False, **kw)
         t0 = time.perf_counter()
         e.warmup()
@@ -127,6 +131,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--e2e", action="store_true", help="also time FastEngine steps on a random SmolLM2-shaped target")
+    ap.add_argument("--static-only", action="store_true",
+                    help="skip the eager attention variants and the profiles: time the static drafter, "
+                         "captured as it is and compiled, and (with --e2e) the engine")
     args = ap.parse_args()
     dev = torch.device(args.device)
     cfg = DrafterConfig.for_target(SMOLLM2, draft_vocab_size=16384, aux_layer_ids=[2, 15, 27])
@@ -153,7 +160,7 @@ def main() -> int:
         return (p @ v).view(b, nh, t, hd)
 
     variants = {"explicit": explicit, "sdpa": via(sdpa), "no-cudnn": drafter_mod.small_query_attention}
-    for name, fn in variants.items():
+    for name, fn in ({} if args.static_only else variants).items():
         drafter_mod.small_query_attention = fn
         prop = Eagle3Proposer(d, k=5)
         rounds(prop, 10, 5, dev)
@@ -163,23 +170,26 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     drafter_mod.small_query_attention = variants["no-cudnn"]
-    st = StaticChainDrafter(d, k=5, max_len=4096)
-    t0 = time.perf_counter()
-    st.warm()
-    warm = time.perf_counter() - t0
-    static_rounds(st, None, 10, dev)
-    ms, _ = static_rounds(st, None, args.rounds, dev)
-    _, agree = static_rounds(st, Eagle3Proposer(d, k=5), 50, dev)
-    res["static"] = {"ms_per_round": ms, "drafts_agree_with_eager": agree, "capture_s": warm}
-    print(f"static    {ms:8.2f} ms per round; drafts equal to the eager proposer's in {agree:.0%} of 50 rounds "
-          f"(capture {warm:.1f} s)", flush=True)
-    (out / "h200_drafter_step.json").write_text(json.dumps(res, indent=1))
+    for name, compile in (("static", False), ("static-compiled", True)):
+        st = StaticChainDrafter(d, k=5, max_len=4096, compile=compile)
+        t0 = time.perf_counter()
+        st.warm()
+        warm = time.perf_counter() - t0
+        static_rounds(st, None, 10, dev)
+        ms, _ = static_rounds(st, None, args.rounds, dev)
+        _, agree = static_rounds(st, Eagle3Proposer(d, k=5), 50, dev)
+        res[name] = {"ms_per_round": ms, "drafts_agree_with_eager": agree, "capture_s": warm}
+        print(f"{name:15s} {ms:8.3f} ms per round; drafts equal to the eager proposer's in {agree:.0%} of 50 "
+              f"rounds (compile and capture {warm:.1f} s)", flush=True)
+        (out / "h200_drafter_step.json").write_text(json.dumps(res, indent=1))
     if args.e2e:
         try:
             e2e(dev, res, out)
         except Exception as e:  # keep what was measured
             res["e2e_error"] = repr(e)
             print("e2e failed:", repr(e), flush=True)
+    if args.static_only:
+        return 0
     from torch.profiler import ProfilerActivity, profile
 
     tables = []

@@ -10,6 +10,9 @@
 #   bash benchmarks/gpu_train.sh r   # (after b, instead of c/d) training recipes at the CPU data size
 #   bash benchmarks/gpu_train.sh g   # stage the first GGUF half; capture and training throughput on 8B shapes
 #   bash benchmarks/gpu_train.sh h   # (after g) second half, quickstart with 4x the optimizer steps, the full bench
+#   bash benchmarks/gpu_train.sh i   # stage the first GGUF half; the drafter round captured as it is and compiled
+#   bash benchmarks/gpu_train.sh j   # (after i) second half, quickstart (2,500 prompts, 20 epochs, no tree)
+#   bash benchmarks/gpu_train.sh k   # (after j) the quickstart finishes; bench with chains k = 1, 2, 3, 5; drafter home
 #
 # A machine without PyPI access gets the SmolLM2 GGUF in two halves (.devdata/p1/part0,
 # .devdata/p2/part1), the prompt sets as a SPECDEC_HOME data folder (.devdata/home/data) and the
@@ -128,5 +131,45 @@ save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t
     timeout "${BENCH_S:-200}" python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
       --limit 5 --max-new-tokens 256 --no-hf --out "$OUT/bench_eagle3_gpu_static.json" 2>&1 \
       | grep -v Warning | tail -40 | tee "$OUT/bench_eagle3_gpu_static.log"
+    ;;
+  i)
+    cp .devdata/p1/part0 /root/m/ && mkdir -p "$SPECDEC_HOME" && cp -r .devdata/home/data "$SPECDEC_HOME/"
+    { nvidia-smi --query-gpu=name,driver_version --format=csv;
+      python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
+      | tee "$OUT/env_gpu_train.txt"
+    timeout 480 python3 benchmarks/drafter_step.py --static-only --e2e --rounds 100 --out "$OUT" 2>&1 \
+      | grep -v Warning | tee "$OUT/drafter_step_compiled.log"
+    ;;
+  j)
+    [ -f /root/m/part0 ] || { echo "first GGUF half missing: the machine was replaced between parts"; exit 3; }
+    mkdir -p "$GGUF_DIR"
+    cat /root/m/part0 .devdata/p2/part1 > "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+    echo "$SHA  $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
+    specdec models fetch smollm2-135m-instruct 2>&1 | tail -1
+    # The GPU defaults (4,096-token batches, 20 epochs) on 2,500 prompts; the tree evaluation runs
+    # eagerly (minutes), so it is skipped here and the bench in k times the chains.
+    timeout "${QS_S:-540}" python3 -m specdec quickstart --out /root/qs-gpu --prompts 2500 --tree-depth 0 \
+      --eval-prompts 10 --json > "$OUT/quickstart_j.jsonl" 2> "$OUT/quickstart_gpu_j.log"
+    grep -v Warning "$OUT/quickstart_gpu_j.log" | grep -v "^ " | tail -14; cat "$OUT/quickstart_j.jsonl"
+    ;;
+  k)
+    if ! grep -q mean_acceptance_length "$OUT/quickstart_j.jsonl" /root/qs-gpu/quickstart_k.jsonl 2>/dev/null; then
+      timeout "${QS_S:-300}" python3 -m specdec quickstart --out /root/qs-gpu --prompts 2500 --tree-depth 0 \
+        --eval-prompts 10 --json > /root/qs-gpu/quickstart_k.jsonl 2> "$OUT/quickstart_gpu_k.log"
+      cp /root/qs-gpu/quickstart_k.jsonl "$OUT/"; grep -v Warning "$OUT/quickstart_gpu_k.log" | grep -v "^ " | tail -14
+    fi
+    cp /root/qs-gpu/train/train_summary.json "$OUT/train_summary_k.json" 2>/dev/null
+    timeout "${BENCH_S:-300}" python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
+      --limit 5 --max-new-tokens 256 --k 1,2,3,5 --tree none --out "$OUT/bench_eagle3_gpu_k.json" 2>&1 \
+      | grep -v Warning | tail -30 | tee "$OUT/bench_eagle3_gpu_k.log"
+    # The drafter comes home in pieces of < 16 MiB: bf16, without the frozen embedding.
+    mkdir -p /root/drafter-home && cp /root/qs-gpu/train/drafter/*.json /root/drafter-home/
+    python3 -c "
+import torch; from safetensors.torch import load_file, save_file
+t = load_file('/root/qs-gpu/train/drafter/model.safetensors')
+save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t.items() if k != 'embed_tokens.weight'},
+          '/root/drafter-home/model.safetensors')"
+    tar -C /root -cf /root/drafter.tar drafter-home && split -b 15M /root/drafter.tar "$OUT/drafter.tar.part."
+    sha256sum /root/drafter.tar | tee "$OUT/drafter.tar.sha256"
     ;;
 esac

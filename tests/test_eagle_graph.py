@@ -16,15 +16,16 @@ from tests.test_engine_lossless import random_drafter
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
-@pytest.mark.parametrize("arch", ("llama", "qwen3"))
-@pytest.mark.parametrize("k", (1, 4))
-def test_static_drafts_equal_eager_drafts(tiny_targets, arch, k):
+@pytest.mark.parametrize("arch,k,compile", [("llama", 1, False), ("llama", 4, False), ("qwen3", 1, False),
+                                            ("qwen3", 4, False), ("llama", 4, True)])
+def test_static_drafts_equal_eager_drafts(tiny_targets, arch, k, compile):
     target = tiny_targets[arch]
     drafter = random_drafter(target, seed=3)
     # Sharpen the logits so that drafts depend on the inputs, not on near-ties.
     drafter.lm_head.weight.data.mul_(20)
     eager = Eagle3Proposer(drafter, k=k)
-    static = StaticChainDrafter(drafter, k=k, max_len=96, cuda_graphs=False)
+    # compile: the steps as inductor fuses them (what a GPU captures), here with its CPU backend.
+    static = StaticChainDrafter(drafter, k=k, max_len=96, cuda_graphs=False, compile=compile)
     g = torch.Generator().manual_seed(0)
     width = len(target.aux_layer_ids) * target.hidden_size
     m = 9

@@ -565,7 +565,7 @@ class FastEngine(SpeculativeEngine):
         self.static = None
         if isinstance(self.proposer, Eagle3Proposer) and tree is None and static_drafter:
             self.static = StaticChainDrafter(self.proposer.drafter, k=k, max_len=self.max_len,
-                                             cuda_graphs=on_cuda and cuda_graphs)
+                                             cuda_graphs=on_cuda and cuda_graphs, compile=compile and on_cuda)
         if decoder is not None:
             if decoder.cache_len < self.max_len + pad:
                 raise SpecdecError(f"the shared decoder's cache ({decoder.cache_len} slots) is too small")

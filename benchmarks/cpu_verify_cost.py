@@ -1,6 +1,7 @@
 """What verifying T tokens costs on this CPU, against one token: the target's forward with a KV
-cache at T = 1..4 in fp32, in fp32 with small products routed through `weight @ x.T`, and in
-bf16; and the one matrix product that explains the difference.
+cache at T = 1, 2, 3, 4, 6 in fp32 as `load_target` loads it (few-row products routed through
+`weight @ x.T`, specdec.models.cpu_products), in fp32 with plain `F.linear`, and in bf16; and the
+one matrix product that explains the difference.
 
     python benchmarks/cpu_verify_cost.py [--target qwen2.5-coder-1.5b-instruct]
 
@@ -23,6 +24,9 @@ from specdec.bench.roofline import device_info, time_cuda
 from specdec.models.target import load_target
 
 
+TOKENS = (1, 2, 3, 4, 6)
+
+
 def forward_ms(model, T: int, reps: int = 5) -> float:
     """Median of `reps` forwards of T tokens after a fresh 64-token prefill (not timed)."""
     prompt = torch.randint(0, 1000, (1, 64))
@@ -35,21 +39,6 @@ def forward_ms(model, T: int, reps: int = 5) -> float:
         model(x, past_key_values=cache, use_cache=True)
         times.append(time.perf_counter() - start)
     return round(1000 * statistics.median(times), 2)
-
-
-def few_rows_as_weight_times_x(model) -> None:
-    """Route the model's linear layers through `weight @ x.T` when they see <= 4 rows (the
-    alternative measured against fp32 `F.linear`'s small-row path)."""
-
-    def forward(self, x):
-        if x.numel() // x.shape[-1] > 4:
-            return F.linear(x, self.weight, self.bias)
-        y = (self.weight @ x.reshape(-1, x.shape[-1]).T).T.reshape(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
-
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.forward = forward.__get__(module)
 
 
 def linear_ms(rows: int, out_features: int, in_features: int, dtype) -> dict:
@@ -67,15 +56,16 @@ def main() -> None:
     with torch.no_grad():
         for dtype in ("fp32", "bf16"):
             model = load_target(args.target, device="cpu", dtype=dtype).model
-            out["forward_ms"][dtype] = {T: forward_ms(model, T) for T in (1, 2, 3, 4)}
+            if dtype == "fp32":  # load_target routes few-row products (specdec.models.cpu_products)
+                out["forward_ms"]["fp32, routed (load_target's default)"] = {T: forward_ms(model, T) for T in TOKENS}
+                print("fp32 routed", out["forward_ms"]["fp32, routed (load_target's default)"], flush=True)
+                for m in model.modules():
+                    m.__dict__.pop("forward", None)  # back to F.linear
+            out["forward_ms"][dtype] = {T: forward_ms(model, T) for T in TOKENS}
             print(dtype, out["forward_ms"][dtype], flush=True)
-            if dtype == "fp32":
-                few_rows_as_weight_times_x(model)
-                out["forward_ms"]["fp32, weight @ x.T for <= 4 rows"] = {T: forward_ms(model, T) for T in (1, 2, 3, 4)}
-                print("fp32, weight @ x.T", out["forward_ms"]["fp32, weight @ x.T for <= 4 rows"], flush=True)
             del model
             torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-            out["linear_8960x1536_ms"][dtype] = {m: linear_ms(m, 8960, 1536, torch_dtype) for m in (1, 2, 3, 4)}
+            out["linear_8960x1536_ms"][dtype] = {m: linear_ms(m, 8960, 1536, torch_dtype) for m in TOKENS}
             print(dtype, out["linear_8960x1536_ms"][dtype], flush=True)
     path = Path(__file__).resolve().parent / "results" / "cpu_verify_cost.json"
     path.write_text(json.dumps(out, indent=2) + "\n")

@@ -130,7 +130,8 @@ def plot_bench(name: str, png: str, title: str) -> None:
         ax.axhline(plain, color="k", ls="--", lw=0.8, label=f"specdec plain {plain:.2f} tok/s")
         ax.legend(fontsize=8)
     for i, r in enumerate(rows):
-        label = f"{r['tok_s']:.2f}" + (f"\nAL {r['mean_acceptance_length']:.2f}" if r.get("mean_acceptance_length") else "")
+        label = f"{r['tok_s']:.2f}" + (f"\nAL {r['mean_acceptance_length']:.2f}"
+                                       if r.get("mean_acceptance_length") else "")
         ax.text(i, r["tok_s"] * 1.01, label, ha="center", va="bottom", fontsize=7)
     ax.set_ylim(0, 1.18 * max(r["tok_s"] for r in rows))
     ax.set_ylabel("tok/s (greedy; grey: HF transformers)")
@@ -144,7 +145,7 @@ if __name__ == "__main__":
     plot_8b()
     plot_smollm2()
     plot_recipes()
-    for dtype, suffix in (("bf16", ""), ("fp32", "_fp32")):
+    for dtype, suffix in (("bf16", ""), ("fp32", "_fp32"), ("fp32, few-row products routed", "_fp32_routed")):
         if (R / f"cpu_qwen15_head_to_head{suffix}.json").exists():
             plot_bench(f"cpu_qwen15_head_to_head{suffix}.json", f"cpu_qwen15_head_to_head{suffix}.png",
                        f"Qwen2.5-Coder-1.5B-Instruct, 2-core CPU, {dtype}: HF assisted (0.5B) vs specdec EAGLE-3")

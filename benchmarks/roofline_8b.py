@@ -87,7 +87,8 @@ def main() -> int:
     wb = weight_bytes(model)
     kv = kv_bytes_per_token(cfg, dt) * args.ctx
     res["bytes"] = {"weights_all": wb["all"], "weights_read": wb["read_per_step"], "kv_live": kv}
-    res["floor_ms"] = {"all_weights": floor_ms(wb["all"] + kv, bw), "bytes_read": floor_ms(wb["read_per_step"] + kv, bw)}
+    res["floor_ms"] = {"all_weights": floor_ms(wb["all"] + kv, bw),
+                       "bytes_read": floor_ms(wb["read_per_step"] + kv, bw)}
     print(f"copy {bw / 1e12:.2f} TB/s; floor {res['floor_ms']['all_weights']:.3f} ms (all weights), "
           f"{res['floor_ms']['bytes_read']:.3f} ms (bytes read)", flush=True)
     dec = FastDecoder(model, max_len=args.max_len, pad=64)

@@ -57,7 +57,8 @@ def load(args, dev, dtype):
         t0 = time.time()
         convert_gguf(Path(args.gguf), folder, eos_token_ids=MODELS["smollm2-135m-instruct"].eos_token_ids)
         print(f"converted {args.gguf} in {time.time() - t0:.0f} s", flush=True)
-        return load_target(str(folder), device=dev, dtype=dtype), folder, "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)"
+        return (load_target(str(folder), device=dev, dtype=dtype), folder,
+                "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)")
     if args.model:
         return load_target(args.model, device=dev, dtype=dtype), Path(args.model), f"{args.model}"
     if args.tiny:

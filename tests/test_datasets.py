@@ -73,11 +73,14 @@ def test_records_without_user_turns_are_skipped(tmp_path):
 @pytest.mark.parametrize(
     "content, match",
     [
-        ('{"id": 1, "conversations": [{"from": "human", "value": "x"}]}\n{not json\n', r"c\.jsonl, line 2: not valid JSON"),
+        ('{"id": 1, "conversations": [{"from": "human", "value": "x"}]}\n{not json\n',
+         r"c\.jsonl, line 2: not valid JSON"),
         ('{"text": "x"}\n', r"c\.jsonl, line 1: found keys \['text'\]; expected an object with \"conversations\""),
         ('{"conversations": [{"from": "robot", "value": "x"}]}\n', r"line 1, message 0: unknown role 'robot'"),
-        ('{"messages": [{"role": "user"}]}\n', r"line 1, message 0: found \['role'\]; expected an object with \"role\" and \"content\""),
-        ('{"messages": [{"role": "user", "content": [1]}]}\n', r"line 1, message 0: found list content; expected a string"),
+        ('{"messages": [{"role": "user"}]}\n',
+         r"line 1, message 0: found \['role'\]; expected an object with \"role\" and \"content\""),
+        ('{"messages": [{"role": "user", "content": [1]}]}\n',
+         r"line 1, message 0: found list content; expected a string"),
         ('[1, 2]\n', r"line 1: found list; expected an object"),
     ],
 )

@@ -27,7 +27,8 @@ class FakeVllm:
         self.counters = {
             "drafts": Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", LABELS, registry=r),
             "draft_tokens": Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", LABELS, registry=r),
-            "accepted": Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", LABELS, registry=r),
+            "accepted": Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", LABELS,
+                                registry=r),
             "gen": Counter("vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r),
         }
         self.per_pos = Counter(

@@ -94,7 +94,8 @@ def test_chain_equals_tree_of_width_one(tiny_targets):
     drafter = random_drafter(target, seed=3)
     prompt = list(range(20, 32))
     chain = SpeculativeEngine(target, drafter=drafter, k=4).generate(prompt, GREEDY)
-    tree = SpeculativeEngine(target, drafter=drafter, tree=TreeConfig(depth=4, top_k=1, total_tokens=4)).generate(prompt, GREEDY)
+    tree = SpeculativeEngine(target, drafter=drafter,
+                             tree=TreeConfig(depth=4, top_k=1, total_tokens=4)).generate(prompt, GREEDY)
     assert chain.token_ids == tree.token_ids
     assert chain.accepted_per_position == tree.accepted_per_position
 
@@ -104,7 +105,8 @@ def test_stops_at_eos_and_length(tiny_targets):
     prompt = [5, 6, 7]
     ref = SpeculativeEngine(target).generate(prompt, GREEDY).token_ids
     stop = ref[5]
-    out = SpeculativeEngine(target, ngram=2).generate(prompt, SamplingParams(max_new_tokens=24, stop_token_ids=(stop,), ignore_eos=True))
+    out = SpeculativeEngine(target, ngram=2).generate(
+        prompt, SamplingParams(max_new_tokens=24, stop_token_ids=(stop,), ignore_eos=True))
     assert out.token_ids == ref[: ref.index(stop) + 1]
     assert out.finish_reason == "stop"
     short = SpeculativeEngine(target, ngram=2).generate(prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))

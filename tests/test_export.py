@@ -101,7 +101,8 @@ def test_export_bf16_equals_rounded_drafter(fmt, drafter, drafter_dir, target, t
 
 def test_eagle3_config_keys(drafter_dir, tiny_dirs, tmp_path, capsys):
     out = tmp_path / "e"
-    rc, _, err = cli(["export", "--drafter", drafter_dir, "--target", tiny_dirs["llama"], "--format", "eagle3", out], capsys)
+    rc, _, err = cli(["export", "--drafter", drafter_dir, "--target", tiny_dirs["llama"], "--format", "eagle3", out],
+                     capsys)
     assert rc == 0, err
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -147,8 +148,8 @@ def test_speculators_config_keys(drafter_dir, tiny_dirs, tmp_path, capsys):
 
 def test_no_embeddings_and_serve_commands(drafter_dir, tiny_dirs, target, drafter, tmp_path, capsys):
     out = tmp_path / "noemb"
-    rc, stdout, err = cli(["export", "--drafter", drafter_dir, "--target", tiny_dirs["llama"], "--no-embeddings", "--dtype", "fp32",
-                           "--json", out], capsys)
+    rc, stdout, err = cli(["export", "--drafter", drafter_dir, "--target", tiny_dirs["llama"], "--no-embeddings",
+                           "--dtype", "fp32", "--json", out], capsys)
     assert rc == 0, err
     assert "embed_tokens.weight" not in load_file(str(out / "model.safetensors"))
     info = json.loads(stdout)
@@ -293,7 +294,8 @@ def test_convert_specforge(drafter, drafter_dir, tiny_dirs, target, tmp_path, ca
 
 
 def test_convert_layer_convention_override(drafter_dir, tiny_dirs, tmp_path, capsys):
-    src = _foreign(drafter_dir, tmp_path / "sf", config_update={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 4]}})
+    src = _foreign(drafter_dir, tmp_path / "sf",
+                   config_update={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 3, 4]}})
     rc, stdout, err = cli(["convert", src, tmp_path / "out", "--layer-convention", "vllm", "--json"], capsys)
     assert rc == 0, err
     assert json.loads(stdout)["aux_layer_ids"]["canonical"] == AUX
@@ -310,11 +312,13 @@ def test_convert_eagle_reference_needs_ids_or_target(drafter, drafter_dir, tiny_
 
 
 def test_convert_speculators_to_eagle3(drafter, drafter_dir, tiny_dirs, target, tmp_path, capsys):
-    spec = save_drafter(drafter, tmp_path / "spec", "speculators", target_name=str(tiny_dirs["llama"]), dtype=torch.float32)
+    spec = save_drafter(drafter, tmp_path / "spec", "speculators", target_name=str(tiny_dirs["llama"]),
+                        dtype=torch.float32)
     cfg = json.loads((spec / "config.json").read_text())
     del cfg["specdec"]  # as speculators itself writes it
     (spec / "config.json").write_text(json.dumps(cfg))
-    rc, stdout, err = cli(["convert", spec, tmp_path / "out", "--format", "eagle3", "--dtype", "fp32", "--json"], capsys)
+    rc, stdout, err = cli(["convert", spec, tmp_path / "out", "--format", "eagle3", "--dtype", "fp32", "--json"],
+                          capsys)
     assert rc == 0, err
     assert json.loads(stdout)["source_format"] == "speculators"
     assert torch.equal(_probe(load_drafter(tmp_path / "out", target)), _probe(drafter))

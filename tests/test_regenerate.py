@@ -28,7 +28,8 @@ def convs(n=3):
         Conversation(id="mt", messages=[{"role": "user", "content": "Write a haiku."}], followups=["Now shorter."]),
         Conversation(id="one", messages=[{"role": "user", "content": "hi"}]),
     ]  # fmt: skip
-    out += [Conversation(id=f"p{i}", messages=[{"role": "user", "content": "tell me " * (i + 1)}]) for i in range(n - 3)]
+    out += [Conversation(id=f"p{i}", messages=[{"role": "user", "content": "tell me " * (i + 1)}])
+            for i in range(n - 3)]
     return out[:n]
 
 
@@ -73,7 +74,8 @@ def test_batched_left_padded_generation_equals_plain_engine(target):
     from specdec.engine.api import SamplingParams
     from specdec.engine.engine import SpeculativeEngine
 
-    prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": t}]) for t in ("hi", "a much longer prompt here")]
+    prompts = [prompt_ids(target.tokenizer, [{"role": "user", "content": t}])
+               for t in ("hi", "a much longer prompt here")]
     batched = generate_batch(target, prompts, RegenConfig(max_new_tokens=6))
     engine = SpeculativeEngine(target)
     for p, (ids, reason) in zip(prompts, batched):

@@ -36,7 +36,8 @@ def test_report_from_diagnose_json(tmp_path, capsys):
     index = report(capsys, str(diag), "-o", str(tmp_path / "out"))
     assert index == tmp_path / "out" / "index.html"
     # One speedup plot per block (aggregate + two label sets) and the per-position bars.
-    assert pngs(tmp_path / "out") == ["per_position.png", "speedup_vs_k.png", "speedup_vs_k_1.png", "speedup_vs_k_2.png"]
+    assert pngs(tmp_path / "out") == ["per_position.png", "speedup_vs_k.png", "speedup_vs_k_1.png",
+                                      "speedup_vs_k_2.png"]
     page = index.read_text()
     assert 'src="per_position.png"' in page and 'src="speedup_vs_k.png"' in page
     assert "acme/support-8b" in page and "speculation loses" in page
@@ -55,7 +56,8 @@ def test_report_default_out_dir_and_missing_per_position(tmp_path, capsys):
 
 
 def test_report_from_eval_json(tmp_path, capsys):
-    data = {"per_position_acceptance": [0.7, 0.45, 0.3], "mean_acceptance_length": 2.45, "acceptance_rate": 0.483, "k": 3}
+    data = {"per_position_acceptance": [0.7, 0.45, 0.3], "mean_acceptance_length": 2.45, "acceptance_rate": 0.483,
+            "k": 3}
     src = tmp_path / "eval.json"
     src.write_text(json.dumps(data))
     index = report(capsys, str(src), "-o", str(tmp_path / "r"), "--cost-ratios", "0.05,0.3")
@@ -64,7 +66,8 @@ def test_report_from_eval_json(tmp_path, capsys):
 
 
 def test_report_from_bench_json_with_table_then_json_line(tmp_path, capsys):
-    bench = {"device": "cpu", "rows": [{"name": "plain", "tokens_per_s": 31.5}, {"name": "eagle3 k=3", "tokens_per_s": 70.2, "speedup": 2.23}]}
+    bench = {"device": "cpu", "rows": [{"name": "plain", "tokens_per_s": 31.5},
+                                       {"name": "eagle3 k=3", "tokens_per_s": 70.2, "speedup": 2.23}]}
     src = tmp_path / "bench.json"
     src.write_text("name        tok/s\nplain        31.5\n" + json.dumps(bench) + "\n")
     index = report(capsys, str(src), "-o", str(tmp_path / "b"))
@@ -75,7 +78,8 @@ def test_report_from_bench_json_with_table_then_json_line(tmp_path, capsys):
 
 def test_report_from_watch_record(tmp_path, capsys):
     frames = [
-        {"t": 2.0 * i, "tokens_per_s": 100.0 + i, "acceptance_rate": 0.5, "source": "http://x/metrics", "engine": "vllm"}
+        {"t": 2.0 * i, "tokens_per_s": 100.0 + i, "acceptance_rate": 0.5, "source": "http://x/metrics",
+         "engine": "vllm"}
         for i in range(5)
     ]
     src = tmp_path / "watch.jsonl"

@@ -423,7 +423,8 @@ def test_metrics_text_shape(http):
     assert re.search(r"^# TYPE vllm:spec_decode_num_drafts(_total)? counter$", text, re.MULTILINE)
     assert 'specdec:build_info{k="5",mode="ngram",version=' in text
     for pos in range(5):  # positions 0..k-1 exist before any draft is accepted there
-        assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="tiny",position="{pos}"}}' in text
+        assert ('vllm:spec_decode_num_accepted_tokens_per_pos_total'
+                f'{{engine="0",model_name="tiny",position="{pos}"}}') in text
     for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_bucket", "vllm:num_requests_running",
                  "vllm:num_requests_waiting", "vllm:request_success_total"):

@@ -106,7 +106,8 @@ def diagnose_drafter(target, drafter, tokenizer, conversations, *, k: int = 5, m
     target.set_aux_layer_ids(configured_ids)
     best = max(rows, key=lambda r: r["mean_acceptance_length"])
     gain = best["mean_acceptance_length"] - base["mean_acceptance_length"]
-    found = best["hypothesis"] != "as configured" and gain > 0.15 and best["mean_acceptance_length"] > 1.2 * base["mean_acceptance_length"]
+    found = (best["hypothesis"] != "as configured" and gain > 0.15
+             and best["mean_acceptance_length"] > 1.2 * base["mean_acceptance_length"])
     if found:
         verdict = (f"likely mismatch: {best['hypothesis']} ({best['meaning']}): mean acceptance length "
                    f"{base['mean_acceptance_length']:.2f} -> {best['mean_acceptance_length']:.2f}; fix: {best['fix']}")

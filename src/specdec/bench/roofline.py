@@ -61,7 +61,8 @@ def time_cuda(fn: Callable[[], object], *, iters: int = 50, repeats: int = 5, wa
             for _ in range(iters):
                 fn()
             per.append((time.perf_counter() - t0) * 1e3 / iters)
-        return {"ms": statistics.median(per), "min_ms": min(per), "max_ms": max(per), "iters": iters, "repeats": repeats}
+        return {"ms": statistics.median(per), "min_ms": min(per), "max_ms": max(per), "iters": iters,
+                "repeats": repeats}
     torch.cuda.synchronize()
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -80,7 +81,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
     dst = torch.empty_like(src)
     t = time_cuda(lambda: dst.copy_(src), iters=iters, repeats=5)
-    del src, dst
+    src = dst = None  # free the buffers; rebound, not `del`, since the lambda above captures them (F821)
     return 2 * nbytes / (t["ms"] / 1e3)
 
 

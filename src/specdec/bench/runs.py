@@ -301,7 +301,8 @@ def _round_up(n: int, m: int) -> int:
 
 
 def format_table(result: dict) -> str:
-    head = f"{'method':<22}{'engine':<10}{'tok/s':>9}{'ms/tok':>9}{'vs HF':>8}{'vs plain':>9}{'accept len':>11}{'same':>7}"
+    head = (f"{'method':<22}{'engine':<10}{'tok/s':>9}{'ms/tok':>9}{'vs HF':>8}{'vs plain':>9}"
+            f"{'accept len':>11}{'same':>7}")
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         if r["error"]:

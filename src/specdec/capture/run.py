@@ -302,7 +302,9 @@ def run_capture(
     done = st.done_sample_ids(manifest)
     prep = prepare(records, target.tokenizer, max_length=max_length, done=done, rank=rank,
                    world_size=world_size, progress=progress)
-    summary.skipped_done, summary.skipped_no_loss, summary.truncated = prep.already_done, prep.skipped_no_loss, prep.truncated
+    summary.skipped_done, summary.skipped_no_loss, summary.truncated = (
+        prep.already_done, prep.skipped_no_loss, prep.truncated
+    )
 
     bpt = st.bytes_per_token(target.hidden_size, dtype, len(target.aux_layer_ids))
     tokens = sum(len(it) for it in prep.items)

@@ -130,7 +130,8 @@ def run(args) -> int:
     result = run_bench(
         target, prompts, max_new_tokens=args.max_new_tokens, drafter=drafter, ngram=args.ngram,
         ngram_k=args.ngram_k, prompt_lookup_tokens=args.prompt_lookup_tokens, ks=ks, tree=tree,
-        fast=False if args.reference else None, hf=not args.no_hf, assistant=assistant, static_drafter=not args.eager_drafter, progress=say,
+        fast=False if args.reference else None, hf=not args.no_hf, assistant=assistant,
+        static_drafter=not args.eager_drafter, progress=say,
     )
     result.update(target=args.target, drafter=args.drafter, assistant=args.assistant, prompt_source=args.prompts,
                   dtype=str(target.dtype).replace("torch.", ""), env=device_info())

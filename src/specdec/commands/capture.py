@@ -40,12 +40,14 @@ def register(subparsers) -> None:
                    help="storage dtype of the hidden states (default: bf16)")
     p.add_argument("--shard-tokens", type=int, default=1_000_000, metavar="N",
                    help="tokens per shard; a kill loses at most one shard (default: 1_000_000)")
-    p.add_argument("--max-length", type=int, default=2048, metavar="T", help="truncate samples to T tokens (default: 2048)")
+    p.add_argument("--max-length", type=int, default=2048, metavar="T",
+                   help="truncate samples to T tokens (default: 2048)")
     p.add_argument("--batch-size", type=int, default=8, metavar="B", help="samples per forward pass (default: 8)")
     p.add_argument("--batch-tokens", type=int, default=None, metavar="N",
                    help="also cap padded tokens per forward pass (default: no cap)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N records")
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available; torchrun: cuda:LOCAL_RANK)")
+    p.add_argument("--device", default=None,
+                   help="cuda, cuda:1, cpu (default: cuda if available; torchrun: cuda:LOCAL_RANK)")
     p.add_argument("--model-dtype", default=None, choices=["bf16", "fp16", "fp32"],
                    help="dtype the target runs in (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--device-map", default=None, metavar="MAP", help="e.g. auto, to spread a large target over GPUs")

@@ -61,9 +61,11 @@ def register(subparsers) -> None:
                    help="convention of the aux ids in SRC's config (default: the source tool's own)")
     p.add_argument("--aux-layer-ids", metavar="IDS",
                    help="comma-separated aux ids in --layer-convention, for configs that name none or wrong ones")
-    p.add_argument("--format", choices=["eagle3", "speculators"], default="eagle3", help="output format (default: eagle3)")
+    p.add_argument("--format", choices=["eagle3", "speculators"], default="eagle3",
+                   help="output format (default: eagle3)")
     add_output_args(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object (path, format, serve commands, layer ids)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (path, format, serve commands, layer ids)")
     p.set_defaults(func=run)
 
 
@@ -140,7 +142,8 @@ def normalize_names(tensors: dict) -> dict:
             unknown.append(name)
             continue
         if key in out:
-            raise SpecdecError(f"two tensors map to {key} ({name} and another): expected one EAGLE-3 drafter per folder")
+            raise SpecdecError(f"two tensors map to {key} ({name} and another): "
+                               "expected one EAGLE-3 drafter per folder")
         out[key] = t
     if unknown:
         raise SpecdecError(
@@ -215,13 +218,15 @@ def build_drafter(raw: dict, tensors: dict, *, canonical: list[int], target_like
         raise SpecdecError(f"config.json lacks {e.args[0]!r}: expected a Llama-style drafter config") from None
     if "t2d" in tensors and tensors["t2d"].numel() != cfg.vocab_size:
         raise IncompatibleDrafter(
-            f"t2d has {tensors['t2d'].numel()} entries but config vocab_size is {cfg.vocab_size}: config and tensors disagree"
+            f"t2d has {tensors['t2d'].numel()} entries but config vocab_size is {cfg.vocab_size}: "
+            "config and tensors disagree"
         )
     if head.shape[0] != cfg.draft_vocab_size:
         raise IncompatibleDrafter(f"lm_head has {head.shape[0]} rows but draft_vocab_size is {cfg.draft_vocab_size}")
     if fc.shape != (cfg.hidden_size, len(canonical) * cfg.target_hidden_size):
         raise IncompatibleDrafter(
-            f"fc.weight is {tuple(fc.shape)}, expected ({cfg.hidden_size}, {len(canonical)} x {cfg.target_hidden_size}) "
+            f"fc.weight is {tuple(fc.shape)}, "
+            f"expected ({cfg.hidden_size}, {len(canonical)} x {cfg.target_hidden_size}) "
             f"for {len(canonical)} aux layer ids {canonical}"
         )
     # Vocabulary mapping: d2t is what vLLM and SGLang use; t2d only mirrors it.
@@ -229,7 +234,8 @@ def build_drafter(raw: dict, tensors: dict, *, canonical: list[int], target_like
     if d2t is None and t2d is not None:
         ids = t2d.bool().nonzero().flatten()
         if ids.numel() != cfg.draft_vocab_size:
-            raise IncompatibleDrafter(f"t2d marks {ids.numel()} tokens, expected draft_vocab_size={cfg.draft_vocab_size}")
+            raise IncompatibleDrafter(f"t2d marks {ids.numel()} tokens, "
+                                      f"expected draft_vocab_size={cfg.draft_vocab_size}")
         d2t = ids - torch.arange(ids.numel())
         notes.append("d2t rebuilt from t2d (the source saved only t2d)")
     if d2t is None:
@@ -246,7 +252,8 @@ def build_drafter(raw: dict, tensors: dict, *, canonical: list[int], target_like
     target_ids = torch.arange(d2t.numel()) + d2t
     if target_ids.min() < 0 or target_ids.max() >= cfg.vocab_size:
         raise IncompatibleDrafter(
-            f"d2t maps to target ids {int(target_ids.min())}..{int(target_ids.max())}, outside the vocab 0..{cfg.vocab_size - 1}"
+            f"d2t maps to target ids {int(target_ids.min())}..{int(target_ids.max())}, "
+            f"outside the vocab 0..{cfg.vocab_size - 1}"
         )
     if t2d is not None:
         t2d = t2d.bool()
@@ -286,7 +293,8 @@ def run(args) -> int:
     if args.k < 1:
         raise SpecdecError(f"--k must be at least 1, got {args.k}")
     if args.layer_convention and args.layer_convention.lower() not in CONVENTIONS:
-        raise SpecdecError(f"unknown --layer-convention {args.layer_convention!r}; expected one of {', '.join(CONVENTIONS)}")
+        raise SpecdecError(f"unknown --layer-convention {args.layer_convention!r}; "
+                           f"expected one of {', '.join(CONVENTIONS)}")
     src, out = Path(args.src), Path(args.out)
     folder, raw, tensors = read_source(src)
     prepare_out(out, [src, folder], args.force)
@@ -310,7 +318,8 @@ def run(args) -> int:
         canonical = resolve_aux_layer_ids(num_layers)
         how = f"none in config.json; defaults for {num_layers} layers"
     else:
-        canonical = to_canonical(ids, convention) if num_layers is None else resolve_aux_layer_ids(num_layers, ids, convention)
+        canonical = (to_canonical(ids, convention) if num_layers is None
+                     else resolve_aux_layer_ids(num_layers, ids, convention))
         how = f"{where} = {ids} read as {convention}"
     ambiguous = (source == "specforge" and args.source == "auto" and args.layer_convention is None
                  and ids is not None and ids[0] != 1)
@@ -322,7 +331,8 @@ def run(args) -> int:
             f"trained with another tool"
         )
     if not has_embed:
-        notes.append("no embed_tokens in the source and no --target: written without embeddings (servers share the target's)")
+        notes.append("no embed_tokens in the source and no --target: "
+                     "written without embeddings (servers share the target's)")
     verifier = args.verifier or serve_target
     validation = write_and_validate(drafter, out, args.format, target_like=target_like, target_name=serve_target,
                                     verifier=verifier, k=args.k, dtype_flag=args.dtype,

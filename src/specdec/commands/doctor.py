@@ -14,7 +14,7 @@ that clearly beats the configured drafter names the mismatch and how to fix it. 
 examples:
   specdec doctor --target smollm2-135m-instruct --drafter runs/quickstart/train/drafter
   specdec doctor --target meta-llama/Llama-3.1-8B-Instruct --drafter ./eagle3-drafter --prompts mt-bench --limit 5 --json
-"""
+"""  # noqa: E501 (--help prints this verbatim: the example command stays on one line)
 
 
 def register(subparsers) -> None:

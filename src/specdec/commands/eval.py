@@ -130,5 +130,6 @@ def run(args) -> int:
     what = f"drafter {args.drafter}" if args.drafter else f"n-gram lookup (n<={args.ngram})"
     shape = f"tree depth {engine.tree.depth}" if engine.tree else f"k={engine.k}"
     sampling = "greedy" if args.temperature <= 0 else f"T={args.temperature}"
-    print_table(result, f"{args.target} + {what}, {args.prompts} ({result['num_prompts']} prompts), {shape}, {sampling}")
+    print_table(result, f"{args.target} + {what}, {args.prompts} ({result['num_prompts']} prompts), "
+                        f"{shape}, {sampling}")
     return 0

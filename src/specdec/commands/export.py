@@ -41,7 +41,8 @@ def register(subparsers) -> None:
     p.add_argument("--drafter", required=True, metavar="DIR", help="drafter folder (eagle3 or speculators format)")
     p.add_argument("--format", choices=["eagle3", "speculators"], default="eagle3", help="default: eagle3")
     add_output_args(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object (path, format, serve commands, layer ids)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (path, format, serve commands, layer ids)")
     p.set_defaults(func=run)
 
 
@@ -114,7 +115,8 @@ class TargetShape:
         if hit is None:
             from ..errors import SpecdecError
 
-            raise SpecdecError(f"no embed_tokens.weight in {self.folder}: cannot give the drafter the target's embedding")
+            raise SpecdecError(f"no embed_tokens.weight in {self.folder}: "
+                               "cannot give the drafter the target's embedding")
         with safe_open(str(hit[0]), "pt") as h:
             return torch.nn.Embedding.from_pretrained(h.get_tensor(hit[1]).float(), freeze=True)
 
@@ -312,11 +314,13 @@ def describe(out: Path, fmt: str, cfg, *, serve_target: str | None, k: int, dtyp
     else:
         serve["sglang"] = (
             f"python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {shlex.quote(out_abs)} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+            f"--speculative-draft-model-path {shlex.quote(out_abs)} --speculative-num-steps {k} "
+            "--speculative-eagle-topk 1 "
             f"--speculative-num-draft-tokens {k + 1}"
         )
     if serve_target is None:
-        warnings.append("no --target given: replace TARGET in the serve commands with the target the drafter was trained for")
+        warnings.append("no --target given: "
+                        "replace TARGET in the serve commands with the target the drafter was trained for")
     return {
         "path": out_abs, "format": fmt, "dtype": DTYPES[dtype_flag], "target": serve_target, "k": k,
         "serve": serve, "aux_layer_ids": layer_ids, "norm_before_residual": cfg.norm_before_residual,

@@ -66,7 +66,8 @@ def run(args) -> int:
     print(text)
     import sys
 
-    line = f"[{engine.mode}] {stats['new_tokens']} tokens in {stats['seconds']:.2f}s ({stats['tokens_per_s']:.1f} tok/s)"
+    line = (f"[{engine.mode}] {stats['new_tokens']} tokens in {stats['seconds']:.2f}s "
+            f"({stats['tokens_per_s']:.1f} tok/s)")
     if result.drafted:
         pp = " ".join(f"{p:.2f}" for p in stats["per_position_acceptance"])
         line += (f"; drafted {result.drafted}, accepted {result.accepted} "

@@ -46,7 +46,8 @@ def register(subparsers) -> None:
     p.add_argument("--target", default="smollm2-135m-instruct", help="default: smollm2-135m-instruct")
     p.add_argument("--out", default="runs/quickstart", help="run directory (default: runs/quickstart)")
     p.add_argument("--prompts", type=int, help=f"ShareGPT prompts to regenerate ({_defaults('prompts')})")
-    p.add_argument("--max-new-tokens", type=int, help=f"answer length when regenerating ({_defaults('max_new_tokens')})")
+    p.add_argument("--max-new-tokens", type=int,
+                   help=f"answer length when regenerating ({_defaults('max_new_tokens')})")
     p.add_argument("--epochs", type=float, help=f"training epochs ({_defaults('epochs')})")
     p.add_argument("--draft-vocab-size", type=int, help=f"({_defaults('draft_vocab_size')})")
     p.add_argument("--ttt-steps", type=int, help=f"training-time-test unroll ({_defaults('ttt_steps')})")
@@ -151,7 +152,8 @@ def run(args) -> int:
         r = evaluate(tree_engine, target.tokenizer, questions, max_new_tokens=d["eval_max_new_tokens"])
         tree = {"depth": depth, "top_k": 8, "tokens": 48, "mean_acceptance_length": r["mean_acceptance_length"],
                 "tokens_per_s": r["tokens_per_s"],
-                "speedup": r["tokens_per_s"] / result["plain_tokens_per_s"] if result.get("plain_tokens_per_s") else None}
+                "speedup": (r["tokens_per_s"] / result["plain_tokens_per_s"]
+                            if result.get("plain_tokens_per_s") else None)}
     timings["evaluate"] = time.perf_counter() - t
 
     table = Table(title=f"specdec quickstart: EAGLE-3 drafter for {args.target}, MT-Bench, k={args.k}, greedy")

@@ -359,7 +359,8 @@ async def _regenerate_endpoint(endpoint, conversations, out_path, cfg, model, co
                     if cfg.temperature > 0:
                         body["seed"] = cfg.seed
                     try:
-                        resp = await _post(client, url, body, headers, max_retries=max_retries, retry_base_s=retry_base_s)
+                        resp = await _post(client, url, body, headers, max_retries=max_retries,
+                                           retry_base_s=retry_base_s)
                     except _Rejected as e:
                         c.stop("rejected")
                         c.error = str(e)
@@ -385,7 +386,9 @@ async def _regenerate_endpoint(endpoint, conversations, out_path, cfg, model, co
                     append_jsonl(f, rec)
                     summary.conversations += 1
                     summary.new_tokens += c.new_tokens
-                    summary.finish_reasons[rec["finish_reason"]] = summary.finish_reasons.get(rec["finish_reason"], 0) + 1
+                    summary.finish_reasons[rec["finish_reason"]] = (
+                        summary.finish_reasons.get(rec["finish_reason"], 0) + 1
+                    )
                     el = time.perf_counter() - t0
                     prog.update(task, advance=1, rate=_rate(summary.new_tokens, summary.conversations, el))
             finally:

@@ -119,8 +119,10 @@ class DraftKVCache:
         end = self.length + n
         if end > self.k.shape[2]:
             grow = max(end, 2 * self.k.shape[2])
-            self.k = torch.cat([self.k, self.k.new_zeros(*self.k.shape[:2], grow - self.k.shape[2], self.k.shape[3])], 2)
-            self.v = torch.cat([self.v, self.v.new_zeros(*self.v.shape[:2], grow - self.v.shape[2], self.v.shape[3])], 2)
+            self.k = torch.cat(
+                [self.k, self.k.new_zeros(*self.k.shape[:2], grow - self.k.shape[2], self.k.shape[3])], 2)
+            self.v = torch.cat(
+                [self.v, self.v.new_zeros(*self.v.shape[:2], grow - self.v.shape[2], self.v.shape[3])], 2)
         self.k[:, :, self.length:end] = k
         self.v[:, :, self.length:end] = v
         self.length = end

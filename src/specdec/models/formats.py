@@ -253,7 +253,8 @@ def check_fits(cfg: DrafterConfig, tensors: dict, target, folder) -> None:
         )
     d2t = tensors["d2t"].long()
     if d2t.numel() != cfg.draft_vocab_size:
-        raise IncompatibleDrafter(f"drafter {folder}: d2t has {d2t.numel()} entries, expected draft_vocab_size={cfg.draft_vocab_size}")
+        raise IncompatibleDrafter(f"drafter {folder}: d2t has {d2t.numel()} entries, "
+                                  f"expected draft_vocab_size={cfg.draft_vocab_size}")
     ids = torch.arange(d2t.numel()) + d2t
     if ids.min() < 0 or ids.max() >= target.vocab_size:
         raise IncompatibleDrafter(

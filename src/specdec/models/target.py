@@ -213,6 +213,7 @@ def load_target(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..precision import parse_dtype
+    from .cpu_products import route_few_row_products
     from .registry import resolve_model_path
 
     folder, gguf_file = resolve_model_path(source)
@@ -239,5 +240,7 @@ def load_target(
         raise _friendly_load_error(str(source), e) from e
     if not device_map:
         model.to(device)
+        if torch.device(device).type == "cpu" and dtype == torch.float32:
+            route_few_row_products(model)  # decode and verify steps at memory speed (see the module)
     name = source if not Path(str(source)).exists() else Path(str(source)).name
     return Target(model, tokenizer, name=name, aux_layer_ids=aux_layer_ids, layer_convention=layer_convention)

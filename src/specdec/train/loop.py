@@ -114,7 +114,8 @@ def make_drafter(target, source, cfg: TrainConfig, init: str | None) -> tuple[Ea
         dcfg = DrafterConfig.for_target(target.config, draft_vocab_size=cfg.draft_vocab_size,
                                         aux_layer_ids=target.aux_layer_ids,
                                         norm_before_residual=cfg.norm_before_residual,
-                                        **({"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}))
+                                        **({"intermediate_size": cfg.intermediate_size}
+                                           if cfg.intermediate_size else {}))
         torch.manual_seed(cfg.seed)
         drafter = Eagle3Drafter(dcfg)
         copy_target_embedding(drafter, target)
@@ -221,7 +222,8 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     held = set(heldout)
     train_idx = [i for i in range(len(source.ids)) if i not in held]
     if not train_idx:
-        raise SpecdecError(f"no training samples: {len(source.ids)} samples, all held out; add data or lower --eval-percent")
+        raise SpecdecError(f"no training samples: {len(source.ids)} samples, all held out; "
+                           "add data or lower --eval-percent")
     ckpt = _latest_checkpoint(out) if resume else None
     drafter, info = make_drafter(target, source, cfg, None if ckpt else init)
     if ckpt:
@@ -304,15 +306,18 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
                     tb.add_scalar("train/grad_norm", float(gnorm), step)
                     tb.add_scalar("train/tokens_per_s", rate, step)
                 if heldout and (step % cfg.eval_every == 0 or step == total):
-                    last_eval = {"step": step, **evaluate_heldout(module, argmax_cache, heldout, cfg.batch_tokens, device, dtype, autocast)}
+                    last_eval = {"step": step, **evaluate_heldout(module, argmax_cache, heldout, cfg.batch_tokens,
+                                                                  device, dtype, autocast)}
                     history.append(last_eval)
                     if rank == 0:
                         bar.console.print(
-                            f"[eval step {step}] simulated acceptance length {last_eval.get('simulated_acceptance_length', 0):.2f} "
+                            f"[eval step {step}] simulated acceptance length "
+                            f"{last_eval.get('simulated_acceptance_length', 0):.2f} "
                             f"(k=5: {last_eval.get('simulated_acceptance_length_k5', 0):.2f}), per-position accuracy "
                             f"{last_eval.get('per_position_accuracy')}")
                         if tb is not None:
-                            tb.add_scalar("eval/simulated_acceptance_length", last_eval.get("simulated_acceptance_length", 0), step)
+                            tb.add_scalar("eval/simulated_acceptance_length",
+                                          last_eval.get("simulated_acceptance_length", 0), step)
                             for i, a in enumerate(last_eval.get("per_position_accuracy", [])):
                                 tb.add_scalar(f"eval/accuracy_pos{i}", a, step)
                 if rank == 0 and (step % cfg.save_every == 0 or step == total):

@@ -16,6 +16,7 @@ plus one drafting round.
 
   python benchmarks/drafter_step.py --out benchmarks/results
   python benchmarks/drafter_step.py --static-only --e2e --rounds 100 --out $OUT
+  python benchmarks/drafter_step.py --tree-only --rounds 50 --out $OUT
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from transformers import LlamaConfig  # noqa: E402
 import specdec.models.drafter as drafter_mod  # noqa: E402
 from specdec.engine.api import SamplingParams  # noqa: E402
 from specdec.engine.eagle import Eagle3Proposer  # noqa: E402
-from specdec.engine.eagle_graph import StaticChainDrafter  # noqa: E402
+from specdec.engine.eagle_graph import StaticChainDrafter, StaticTreeDrafter  # noqa: E402
+from specdec.engine.tree import TreeConfig  # noqa: E402
 from specdec.models.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 
 SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
@@ -79,6 +81,53 @@ def static_rounds(st: StaticChainDrafter, eager: Eagle3Proposer | None, n: int, 
             agree += eager.propose(params, None, 49152).tokens == d.tokens
             eager.commit(aux[None, i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
     return t_total / n * 1e3, agree / n
+
+
+def tree_rounds(d: Eagle3Drafter, dev, n: int) -> dict:
+    """ms per tree round (commit 2, propose a depth-6 / top-k 8 / 48-token tree), eager and static;
+    the share of rounds whose trees agree."""
+    tree = TreeConfig(depth=6, top_k=8, total_tokens=48)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    aux = torch.randn(64, 3 * 576, generator=g).to(dev, torch.bfloat16)
+    ids = torch.randint(0, 49152, (64,), generator=g).to(dev)
+    params = SamplingParams(max_new_tokens=1 << 20, temperature=0.0)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    eager = Eagle3Proposer(d, tree=tree)
+    static = StaticTreeDrafter(d, tree=tree, max_len=4096, compile=dev.type == "cuda")
+    t0 = time.perf_counter()
+    static.warm()
+    warm = time.perf_counter() - t0
+    res = {"tree": vars(tree), "compile_and_capture_s": warm}
+    for name in ("eager", "static"):
+        for rounds_, timed in ((5, False), (n, True)):
+            eager.reset(4096)
+            eager.commit(aux[None], ids)
+            static.begin(aux, ids)
+            agree = 0
+            sync()
+            t = time.perf_counter()
+            for i in range(rounds_):
+                a = eager.propose(params, None, 49152) if name == "eager" else static.propose()
+                if name == "eager":
+                    eager.commit(aux[None, i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
+                else:
+                    static.commit(aux[i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
+            sync()
+            if timed:
+                res[f"{name}_ms_per_round"] = (time.perf_counter() - t) / rounds_ * 1e3
+    eager.reset(4096)
+    eager.commit(aux[None], ids)
+    static.begin(aux, ids)
+    agree = 0
+    for i in range(50):
+        a, b = eager.propose(params, None, 49152), static.propose()
+        agree += (a.tokens, a.parents) == (b.tokens, b.parents)
+        eager.commit(aux[None, i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
+        static.commit(aux[i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
+    res["trees_agree"] = agree / 50
+    print(f"tree round: eager {res['eager_ms_per_round']:.2f} ms, static {res['static_ms_per_round']:.3f} ms; "
+          f"trees equal in {agree / 50:.0%} of 50 rounds (compile and capture {warm:.1f} s)", flush=True)
+    return res
 
 
 def e2e(dev, res, out) -> None:
@@ -131,6 +180,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--e2e", action="store_true", help="also time FastEngine steps on a random SmolLM2-shaped target")
+    ap.add_argument("--tree-only", action="store_true",
+                    help="time only a tree round (depth 6, top-k 8, 48 tokens): the eager proposer against "
+                         "StaticTreeDrafter, compiled and captured")
     ap.add_argument("--static-only", action="store_true",
                     help="skip the eager attention variants and the profiles: time the static drafter, "
                          "captured as it is and compiled, and (with --e2e) the engine")
@@ -148,6 +200,12 @@ def main() -> int:
 
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "k": 5, "rounds": args.rounds}
+    if args.tree_only:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        res["tree"] = tree_rounds(d, dev, args.rounds)
+        (out / "h200_drafter_step_tree.json").write_text(json.dumps(res, indent=1))
+        return 0
     def via(fn):
         return lambda q, k, v, mask: fn(q, k, v, attn_mask=mask, enable_gqa=True)
 

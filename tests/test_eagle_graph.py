@@ -8,9 +8,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from specdec.engine.api import SamplingParams
 from specdec.engine.eagle import Eagle3Proposer
-from specdec.engine.eagle_graph import StaticChainDrafter
+from specdec.engine.eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from specdec.engine.engine import SpeculativeEngine
 from specdec.engine.fast import FastEngine
+from specdec.engine.tree import TreeConfig
 from tests.test_engine_lossless import random_drafter
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -48,6 +49,54 @@ def test_static_drafts_equal_eager_drafts(tiny_targets, arch, k, compile):
     assert len(drafted) > 3  # the drafts really moved with the inputs
 
 
+@pytest.mark.parametrize("arch,tree,compile", [
+    ("llama", TreeConfig(depth=4, top_k=3, total_tokens=10), False),
+    ("qwen3", TreeConfig(depth=3, top_k=4, total_tokens=60), False),  # fewer nodes than total_tokens: all kept
+    ("llama", TreeConfig(depth=1, top_k=5, total_tokens=3), False),
+    ("llama", TreeConfig(depth=4, top_k=3, total_tokens=10), True),
+])
+def test_static_trees_equal_eager_trees(tiny_targets, arch, tree, compile):
+    target = tiny_targets[arch]
+    drafter = random_drafter(target, seed=5)
+    drafter.lm_head.weight.data.mul_(20)  # drafts that depend on the inputs, not on near-ties
+    eager = Eagle3Proposer(drafter, tree=tree)
+    static = StaticTreeDrafter(drafter, tree=tree, max_len=96, cuda_graphs=False, compile=compile)
+    g = torch.Generator().manual_seed(1)
+    width = len(target.aux_layer_ids) * target.hidden_size
+    aux, ids = torch.randn(7, width, generator=g), torch.randint(0, target.vocab_size, (7,), generator=g)
+    eager.reset(96)
+    eager.commit(aux[None], ids)
+    static.begin(aux, ids)
+    shapes = set()
+    for round_ in range(8):
+        a = eager.propose(GREEDY, None, target.vocab_size)
+        b = static.propose()
+        assert (b.tokens, b.parents) == (a.tokens, a.parents), f"round {round_}"
+        shapes.add(tuple(a.parents))
+        n = 1 + round_ % (tree.depth + 1)  # every commit size from 1 to depth + 1
+        aux, ids = torch.randn(n, width, generator=g), torch.randint(0, target.vocab_size, (n,), generator=g)
+        eager.commit(aux[None], ids)
+        static.commit(aux, ids)
+    assert len(b) == min(tree.total_tokens, tree.top_k + (tree.depth - 1) * tree.top_k**2)
+    if tree.depth > 1 and tree.total_tokens < tree.top_k + (tree.depth - 1) * tree.top_k**2:
+        assert len(shapes) > 1  # the selection really moved with the scores
+
+
+def test_fast_engine_with_static_tree_drafter_is_lossless(tiny_targets):
+    target = tiny_targets["qwen2"]
+    prompt = torch.randint(0, 250, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = SpeculativeEngine(target).generate(prompt, GREEDY)
+    drafter = random_drafter(target)
+    tree = TreeConfig(depth=3, top_k=3, total_tokens=8)
+    kw = dict(require_cuda=False, max_len=128, prefill_chunk=8, drafter=drafter, tree=tree)
+    eager = FastEngine(target, static_drafter=False, **kw).generate(prompt, GREEDY)
+    static_engine = FastEngine(target, static_drafter=True, **kw)
+    assert isinstance(static_engine.static, StaticTreeDrafter)
+    got = static_engine.generate(prompt, GREEDY)
+    assert got.token_ids == ref.token_ids == eager.token_ids
+    assert (got.num_drafts, got.accepted_per_position) == (eager.num_drafts, eager.accepted_per_position)
+
+
 def test_fast_engine_with_static_drafter_is_lossless(tiny_targets):
     target = tiny_targets["llama"]
     prompt = torch.randint(0, 250, (11,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -78,12 +127,16 @@ class _Ops(TorchDispatchMode):
 HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "unique", "item"}
 
 
-@pytest.mark.parametrize("k", (1, 4))
-def test_captured_steps_never_read_the_host(tiny_targets, k):
+@pytest.mark.parametrize("kind", ("chain-1", "chain-4", "tree"))
+def test_captured_steps_never_read_the_host(tiny_targets, kind):
     """The commit and draft steps are what the CUDA graphs hold: a host read there (e.g. indexing
     with a 0-dim tensor, which calls .item()) fails capture on a GPU, so check it here on CPU."""
     target = tiny_targets["llama"]
-    static = StaticChainDrafter(random_drafter(target), k=k, max_len=64, cuda_graphs=False)
+    if kind == "tree":
+        static = StaticTreeDrafter(random_drafter(target), tree=TreeConfig(depth=3, top_k=3, total_tokens=8),
+                                   max_len=64, cuda_graphs=False)
+    else:
+        static = StaticChainDrafter(random_drafter(target), k=int(kind[-1]), max_len=64, cuda_graphs=False)
     width = len(target.aux_layer_ids) * target.hidden_size
     static.begin(torch.randn(5, width), torch.randint(0, target.vocab_size, (5,)))
     for step in (static._draft, static._commit):

@@ -1,4 +1,5 @@
-"""EAGLE-3 greedy chain drafting in fixed-shape steps that CUDA graphs can hold.
+"""EAGLE-3 greedy drafting (chains, and EAGLE-2 dynamic trees) in fixed-shape steps that CUDA
+graphs can hold.
 
 The eager `Eagle3Proposer` reads the host after every drafted token and keeps its cache length in
 a Python int, so a round (commit the accepted tokens, draft k) is ~360 kernel launches plus k host
@@ -7,8 +8,12 @@ step (benchmarks/drafter_step.py). Here the committed length lives on the device
 has a fixed shape (a commit is padded to k + 1 rows, attention covers the whole preallocated cache
 under a length mask), and a round is two graph replays and one read of the k drafted ids.
 
-Same drafts as `Eagle3Proposer` for greedy chains (tests/test_eagle_graph.py); trees and sampling
-stay with the eager proposer.
+A tree round has the same shape: each depth feeds the top_k best nodes so far as top_k rows whose
+attention mask (committed slots, the row's ancestors, itself) is built on the device, and the
+final top-N selection and parent renumbering run there too; the host reads N tokens and N parents.
+
+Same drafts as `Eagle3Proposer` for greedy chains and trees (tests/test_eagle_graph.py); sampling
+stays with the eager proposer.
 """
 
 from __future__ import annotations
@@ -16,22 +21,26 @@ from __future__ import annotations
 import torch
 
 from ..models.drafter import Eagle3Drafter, small_query_attention
-from .tree import Draft
+from .tree import Draft, TreeConfig
 
 
-class StaticChainDrafter:
-    def __init__(self, drafter: Eagle3Drafter, *, k: int, max_len: int, cuda_graphs: bool | None = None,
-                 compile: bool = False):
+class _StaticDrafter:
+    """The committed state on the device, the commit step, and graph capture; subclasses add the
+    drafting step (`_draft`) and `propose`. A commit carries up to `k + 1` positions."""
+
+    def __init__(self, drafter: Eagle3Drafter, *, k: int, max_len: int, scratch: int,
+                 cuda_graphs: bool | None = None, compile: bool = False):
         """`compile`: fuse each step with inductor before capturing it. Captured as they are, the
         steps are ~14 small kernels per drafted token (norms, rotary, the attention's mask), and
-        on a 135M target a drafting round then costs more than the target's verify step."""
+        on a 135M target a drafting round then costs more than the target's verify step.
+        `scratch`: cache slots past max_len that a round's drafts write."""
         d = drafter
         p = d.lm_head.weight
         dev, dt = p.device, p.dtype
         cfg = d.cfg
         self.drafter, self.k = d, k
         # Padded commit rows and the last round's drafts write past the committed length.
-        self.size = max_len + 2 * (k + 1)
+        self.size = max_len + (k + 1) + scratch
         self.kc = torch.zeros(1, cfg.num_key_value_heads, self.size, cfg.head_dim, device=dev, dtype=dt)
         self.vc = torch.zeros_like(self.kc)
         self.slots = torch.arange(self.size, device=dev)
@@ -46,17 +55,16 @@ class StaticChainDrafter:
         self.length = torch.zeros((), dtype=torch.long, device=dev)
         self.hidden = torch.zeros(1, 1, cfg.hidden_size, device=dev, dtype=dt)
         self.logits = torch.zeros(1, 1, cfg.draft_vocab_size, device=dev, dtype=dt)
-        self.drafts = torch.zeros(k, dtype=torch.long, device=dev)
         self.graphs = (dev.type == "cuda") if cuda_graphs is None else cuda_graphs
         self._commit_graph = self._draft_graph = None
         self._steps = {"_commit_graph": self._commit, "_draft_graph": self._draft}
         if compile:
             self._steps = {name: torch.compile(fn, dynamic=False, fullgraph=True) for name, fn in self._steps.items()}
 
-    # -- the two steps ---------------------------------------------------------------------
-    def _layer(self, ids, hidden, pos, limit, aux: bool):
-        """One drafter layer over T rows at positions `pos` [T] (also their cache slots); row r
-        attends the slots below limit[r]."""
+    # -- the steps -------------------------------------------------------------------------
+    def _layer(self, ids, hidden, pos, mask, aux: bool, slots=None):
+        """One drafter layer over T rows: rope positions `pos` [T], cache slots `slots` [T]
+        (default: `pos`), `mask` bool [T, size] (True = may attend)."""
         d = self.drafter
         attn = d.midlayer.self_attn
         if aux:
@@ -64,32 +72,24 @@ class StaticChainDrafter:
         x, residual = d.midlayer.attn_input(d.embed_tokens(ids).to(hidden.dtype), hidden)
         cos, sin = d.rotary_emb(x, pos[None])
         q, k, v = attn.project(x, cos, sin)
-        self.kc.index_copy_(2, pos, k)
-        self.vc.index_copy_(2, pos, v)
-        mask = self.slots[None, :] < limit[:, None]  # shape: [T, size]
+        slots = pos if slots is None else slots
+        self.kc.index_copy_(2, slots, k)
+        self.vc.index_copy_(2, slots, v)
         out = small_query_attention(q, self.kc, self.vc, mask)
         a = attn.o_proj(out.transpose(1, 2).reshape(1, ids.shape[1], -1))
         return d.head(d.midlayer.finish(a, residual))
 
+    def _causal(self, pos):
+        """Row r attends the slots up to and including pos[r]; shape: [T, size]."""
+        return self.slots[None, :] <= pos[:, None]
+
     def _commit(self) -> None:
         pos = self.length + self.rows
-        h, lg = self._layer(self.in_ids, self.in_aux, pos, pos + 1, aux=True)
+        h, lg = self._layer(self.in_ids, self.in_aux, pos, self._causal(pos), aux=True)
         last = (self.in_n - 1).view(1)
         self.hidden.copy_(h.index_select(1, last))
         self.logits.copy_(lg.index_select(1, last))
         self.length.add_(self.in_n)
-
-    def _draft(self) -> None:
-        h, lg = self.hidden, self.logits
-        for i in range(self.k):
-            # index_select, not d2t[t]: indexing with a 0-dim tensor reads it on the host
-            # (.item()), which a CUDA graph capture refuses.
-            tok = self.d2t_ids.index_select(0, lg[0, -1].argmax(-1).view(1))
-            self.drafts[i : i + 1].copy_(tok)
-            if i == self.k - 1:
-                break
-            p = (self.length + i).view(1)
-            h, lg = self._layer(tok.view(1, 1), h, p, p + 1, aux=False)
 
     def _replay(self, name: str) -> None:
         fn = self._steps[name]
@@ -125,7 +125,8 @@ class StaticChainDrafter:
         m = next_tokens.numel()
         self.length.zero_()
         pos = torch.arange(m, device=self.kc.device)
-        h, lg = self._layer(next_tokens.view(1, m), aux.view(1, m, -1).to(self.in_aux.dtype), pos, pos + 1, aux=True)
+        h, lg = self._layer(next_tokens.view(1, m), aux.view(1, m, -1).to(self.in_aux.dtype), pos,
+                            self._causal(pos), aux=True)
         self.hidden.copy_(h[:, -1:])
         self.logits.copy_(lg[:, -1:])
         self.length.fill_(m)
@@ -149,8 +150,93 @@ class StaticChainDrafter:
         self.commit(aux, ids)
         self.propose()
 
+
+class StaticChainDrafter(_StaticDrafter):
+    """A greedy chain of k drafts per round."""
+
+    def __init__(self, drafter: Eagle3Drafter, *, k: int, max_len: int, cuda_graphs: bool | None = None,
+                 compile: bool = False):
+        super().__init__(drafter, k=k, max_len=max_len, scratch=k + 1, cuda_graphs=cuda_graphs, compile=compile)
+        self.drafts = torch.zeros(k, dtype=torch.long, device=self.kc.device)
+
+    def _draft(self) -> None:
+        h, lg = self.hidden, self.logits
+        for i in range(self.k):
+            # index_select, not d2t[t]: indexing with a 0-dim tensor reads it on the host
+            # (.item()), which a CUDA graph capture refuses.
+            tok = self.d2t_ids.index_select(0, lg[0, -1].argmax(-1).view(1))
+            self.drafts[i : i + 1].copy_(tok)
+            if i == self.k - 1:
+                break
+            p = (self.length + i).view(1)
+            h, lg = self._layer(tok.view(1, 1), h, p, self._causal(p), aux=False)
+
     @torch.no_grad()
     def propose(self) -> Draft:
         self._replay("_draft_graph")
         tokens = self.drafts.tolist()  # the round's one host read
         return Draft(tokens=tokens, parents=list(range(-1, len(tokens) - 1)))
+
+
+class StaticTreeDrafter(_StaticDrafter):
+    """A greedy EAGLE-2 dynamic tree per round, as `Eagle3Proposer` builds it: depth 0 is the top_k
+    of the drafter's last output; each further depth feeds the top_k best nodes of the previous
+    one (cumulative log-probability) and adds their top_k children each; the round keeps the
+    `total_tokens` best nodes (with cumulative scores a parent always outranks its children)."""
+
+    def __init__(self, drafter: Eagle3Drafter, *, tree: TreeConfig, max_len: int, cuda_graphs: bool | None = None,
+                 compile: bool = False):
+        depth, width = tree.depth, tree.top_k
+        super().__init__(drafter, k=depth, max_len=max_len, scratch=max(depth - 1, 1) * width,
+                         cuda_graphs=cuda_graphs, compile=compile)
+        dev = self.kc.device
+        self.depth, self.width = depth, width
+        self.nodes = width + (depth - 1) * width * width
+        self.keep = min(tree.total_tokens, self.nodes)
+        self.node_tok = torch.zeros(self.nodes, dtype=torch.long, device=dev)
+        self.node_parent = torch.full((self.nodes,), -1, dtype=torch.long, device=dev)
+        self.node_score = torch.zeros(self.nodes, dtype=torch.float32, device=dev)
+        self.lanes = torch.arange(width, device=dev)
+        self.out = torch.zeros(2, self.keep, dtype=torch.long, device=dev)  # tokens, parents
+
+    def _draft(self) -> None:
+        W = self.width
+        logq = torch.log_softmax(self.logits[0, -1].float(), -1)
+        score, idx = logq.topk(W)
+        self.node_tok[:W].copy_(self.d2t_ids.index_select(0, idx))
+        self.node_parent[:W].fill_(-1)
+        self.node_score[:W].copy_(score)
+        committed = self.slots < self.length  # shape: [size]
+        h = self.hidden.expand(1, W, -1)
+        anc = committed[None].expand(W, -1)  # what each depth-0 node's parent (the root) sees
+        start, count = 0, W  # the nodes made at the current depth
+        for d in range(self.depth - 1):
+            # The depth's W best nodes, best first, are fed as W rows.
+            best, local = self.node_score[start : start + count].topk(W)
+            fed = start + local
+            row_of_parent = local // W if d else torch.zeros_like(local)
+            slots = self.length + d * W + self.lanes
+            mask = anc.index_select(0, row_of_parent) | (self.slots[None, :] == slots[:, None])
+            hid = h.index_select(1, row_of_parent) if d else h
+            pos = (self.length + d).expand(W)
+            h, lg = self._layer(self.node_tok.index_select(0, fed)[None], hid, pos, mask, aux=False, slots=slots)
+            logq = torch.log_softmax(lg[0].float(), -1)  # shape: [W, Vd]
+            score, idx = logq.topk(W)  # shapes: [W, W]
+            start, count = start + count, W * W
+            self.node_tok[start : start + count].copy_(self.d2t_ids.index_select(0, idx.reshape(-1)))
+            self.node_parent[start : start + count].copy_(fed[:, None].expand(W, W).reshape(-1))
+            self.node_score[start : start + count].copy_((best[:, None] + score).reshape(-1))
+            anc = mask
+        # Keep the best `keep` nodes in creation order (parents before children), renumbered.
+        kept = self.node_score.topk(self.keep).indices.sort().values
+        renumber = torch.full((self.nodes + 1,), -1, dtype=torch.long, device=kept.device)
+        renumber[kept] = torch.arange(self.keep, device=kept.device)
+        parents = self.node_parent.index_select(0, kept)
+        self.out[0].copy_(self.node_tok.index_select(0, kept))
+        self.out[1].copy_(renumber.index_select(0, torch.where(parents < 0, self.nodes, parents)))
+
+    @torch.no_grad()
+    def propose(self) -> Draft:
+        self._replay("_draft_graph")
+        tokens, parents = self.out.tolist()  # the round's one host read
+        return Draft(tokens=tokens, parents=parents)

@@ -82,6 +82,30 @@ def test_static_trees_equal_eager_trees(tiny_targets, arch, tree, compile):
         assert len(shapes) > 1  # the selection really moved with the scores
 
 
+def test_a_step_that_cannot_be_captured_is_drafted_without_graphs(tiny_targets):
+    """Where compiling or capturing fails (here: no CUDA at all), the drafter warns once and drafts
+    the same trees without graphs instead of failing the generation."""
+    target = tiny_targets["llama"]
+    drafter = random_drafter(target, seed=2)
+    drafter.lm_head.weight.data.mul_(20)
+    tree = TreeConfig(depth=3, top_k=3, total_tokens=8)
+    eager = Eagle3Proposer(drafter, tree=tree)
+    static = StaticTreeDrafter(drafter, tree=tree, max_len=64, cuda_graphs=True)
+    width = len(target.aux_layer_ids) * target.hidden_size
+    aux, ids = torch.randn(6, width), torch.randint(0, target.vocab_size, (6,))
+    eager.reset(64)
+    eager.commit(aux[None], ids)
+    static.begin(aux, ids)
+    with pytest.warns(UserWarning, match="drafting without CUDA graphs"):
+        b = static.propose()
+    a = eager.propose(GREEDY, None, target.vocab_size)
+    assert (b.tokens, b.parents) == (a.tokens, a.parents) and not static.graphs
+    eager.commit(aux[None, :2], ids[:2])
+    static.commit(aux[:2], ids[:2])
+    a, b = eager.propose(GREEDY, None, target.vocab_size), static.propose()
+    assert (b.tokens, b.parents) == (a.tokens, a.parents)
+
+
 def test_fast_engine_with_static_tree_drafter_is_lossless(tiny_targets):
     target = tiny_targets["qwen2"]
     prompt = torch.randint(0, 250, (9,), generator=torch.Generator().manual_seed(4)).tolist()

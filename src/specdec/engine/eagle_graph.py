@@ -18,6 +18,8 @@ stays with the eager proposer.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..models.drafter import Eagle3Drafter, small_query_attention
@@ -98,24 +100,39 @@ class _StaticDrafter:
             return
         g = getattr(self, name)
         if g is None:
-            # Warm up on a side stream (compile; kernels pick their configs; inductor allocates
-            # lazily, so twice) and undo what it wrote; the capture only records, so the replay
-            # below is the step's one real run.
             state = (self.kc, self.vc, self.length, self.hidden, self.logits)
             saved = [t.clone() for t in state]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    fn()
-                    for t, s in zip(state, saved):
-                        t.copy_(s)
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
+            try:
+                g = self._capture(fn, state, saved)
+            except Exception as e:  # this torch/GPU cannot compile or capture the step: draft without
+                for t, s in zip(state, saved):
+                    t.copy_(s)
+                warnings.warn(f"{type(self).__name__}: capturing a drafting step failed ({type(e).__name__}: "
+                              f"{str(e)[:200]}); drafting without CUDA graphs (same drafts, slower)", stacklevel=2)
+                self.graphs = False
+                self._steps = {"_commit_graph": self._commit, "_draft_graph": self._draft}
+                self._steps[name]()
+                return
             setattr(self, name, g)
         g.replay()
+
+    @staticmethod
+    def _capture(fn, state, saved) -> "torch.cuda.CUDAGraph":
+        # Warm up on a side stream (compile; kernels pick their configs; inductor allocates
+        # lazily, so twice) and undo what it wrote; the capture only records, so the replay after
+        # it is the step's one real run.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+                for t, s in zip(state, saved):
+                    t.copy_(s)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g
 
     # -- the proposer's interface -----------------------------------------------------------
     @torch.no_grad()

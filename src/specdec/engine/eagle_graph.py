@@ -59,9 +59,11 @@ class _StaticDrafter:
         self.logits = torch.zeros(1, 1, cfg.draft_vocab_size, device=dev, dtype=dt)
         self.graphs = (dev.type == "cuda") if cuda_graphs is None else cuda_graphs
         self._commit_graph = self._draft_graph = None
-        self._steps = {"_commit_graph": self._commit, "_draft_graph": self._draft}
+        self._eager_steps = {"_commit_graph": self._commit, "_draft_graph": self._draft}
+        self._steps = self._eager_steps
         if compile:
-            self._steps = {name: torch.compile(fn, dynamic=False, fullgraph=True) for name, fn in self._steps.items()}
+            self._steps = {name: torch.compile(fn, dynamic=False, fullgraph=True)
+                           for name, fn in self._eager_steps.items()}
 
     # -- the steps -------------------------------------------------------------------------
     def _layer(self, ids, hidden, pos, mask, aux: bool, slots=None):
@@ -110,7 +112,7 @@ class _StaticDrafter:
                 warnings.warn(f"{type(self).__name__}: capturing a drafting step failed ({type(e).__name__}: "
                               f"{str(e)[:200]}); drafting without CUDA graphs (same drafts, slower)", stacklevel=2)
                 self.graphs = False
-                self._steps = {"_commit_graph": self._commit, "_draft_graph": self._draft}
+                self._steps = self._eager_steps
                 self._steps[name]()
                 return
             setattr(self, name, g)
@@ -220,8 +222,7 @@ class StaticTreeDrafter(_StaticDrafter):
         W = self.width
         logq = torch.log_softmax(self.logits[0, -1].float(), -1)
         score, idx = logq.topk(W)
-        self.node_tok[:W].copy_(self.d2t_ids.index_select(0, idx))
-        self.node_parent[:W].fill_(-1)
+        self.node_tok[:W].copy_(self.d2t_ids.index_select(0, idx))  # node_parent[:W] stays -1 (the root's)
         self.node_score[:W].copy_(score)
         committed = self.slots < self.length  # shape: [size]
         h = self.hidden.expand(1, W, -1)

@@ -9,6 +9,13 @@ training cost in drafter token-steps (tokens x epochs x TTT steps), the figure t
 
     python benchmarks/drafter_recipes.py --out benchmarks/results            # GPU, ~6 min
     python benchmarks/drafter_recipes.py --recipes base,lr3e-3 --eval-prompts 5
+    python benchmarks/drafter_recipes.py --prompts 320 --recipes cpu,cpu-alltok,cpu-d3-ep2 --eval-prompts 20
+
+The `cpu*` recipes ask where the quickstart's CPU minutes go best at its own settings (320
+prompts, 6 epochs, 256-token batches, lr 3e-3, TTT 4): into epochs, into more regenerated
+answers, into ShareGPT's original answers (captured, not regenerated: capture runs ~3x faster per
+token than generation), or into loss on the prompt tokens as well ("alltok": the target's
+distribution is known at every captured position, not only on its own answers).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from specdec.engine.fast import make_engine
 from specdec.evaluate import evaluate
 from specdec.models.formats import load_drafter
 from specdec.models.target import load_target
-from specdec.train.data import OfflineSource
+from specdec.train.data import OfflineSource, is_heldout
 from specdec.train.loop import TrainConfig, train
 
 BASE = dict(epochs=4.0, lr=1e-3, batch_tokens=1024, ttt_steps=4, draft_vocab_size=2048)
@@ -42,6 +49,31 @@ RECIPES = {
     "x3data-lr3e-3-bt256": ("d3", dict(lr=3e-3, batch_tokens=256)),
     "orig-lr3e-3-bt256": ("d1orig", dict(lr=3e-3, batch_tokens=256, epochs=2.0)),
 }
+CPU = dict(lr=3e-3, batch_tokens=256, epochs=6.0, ttt_steps=4)  # the quickstart's CPU defaults
+RECIPES.update({
+    "cpu": ("d1", CPU),
+    "cpu-alltok": ("d1", dict(CPU, alltok=True)),
+    "cpu-d3-ep2": ("d3", dict(CPU, epochs=2.0)),
+    "cpu-d3": ("d3", CPU),
+    "cpu-orig-ep2": ("d1orig", dict(CPU, epochs=2.0)),
+    "cpu-orig-alltok-ep2": ("d1orig", dict(CPU, epochs=2.0, alltok=True)),
+    "cpu-ep12": ("d1", dict(CPU, epochs=12.0)),
+})
+
+
+class EveryToken(OfflineSource):
+    """Training samples scored on every position (prompt tokens too); held-out ones as captured."""
+
+    def __init__(self, store, eval_percent: float):
+        super().__init__(store)
+        self.held = {i for i, sid in enumerate(self.ids) if is_heldout(sid, eval_percent)}
+
+    def get(self, indices):
+        samples = super().get(indices)
+        for i, s in zip(indices, samples):
+            if i not in self.held:
+                s["loss_mask"] = torch.ones_like(torch.as_tensor(s["loss_mask"])).bool()
+        return samples
 
 
 def main() -> None:
@@ -87,8 +119,10 @@ def main() -> None:
             print(f"budget spent: skipping {name}", flush=True)
             continue
         data, over = RECIPES[name]
+        over = dict(over)
+        alltok = over.pop("alltok", False)
         cfg = TrainConfig(out=str(work / f"run-{name}"), eval_every=10**9, save_every=10**9, **{**BASE, **over})
-        src = OfflineSource(stores[data])
+        src = EveryToken(stores[data], cfg.eval_percent) if alltok else OfflineSource(stores[data])
         t = time.perf_counter()
         summary = train(target, src, cfg, target_name=args.target, progress=False)
         t_train = time.perf_counter() - t
@@ -102,7 +136,7 @@ def main() -> None:
             res = evaluate(engine, target.tokenizer, questions, max_new_tokens=96, progress=False)
         tokens = sum(src.lengths)
         row = {
-            "recipe": name, "data": data, **{**BASE, **over}, "train_tokens": tokens,
+            "recipe": name, "data": data, **{**BASE, **over}, "alltok": alltok, "train_tokens": tokens,
             "token_steps": int(tokens * cfg.epochs * cfg.ttt_steps),
             "simulated_al": summary["eval"].get("simulated_acceptance_length"),
             "simulated_al_k5": summary["eval"].get("simulated_acceptance_length_k5"),

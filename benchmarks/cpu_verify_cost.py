@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from specdec.bench.roofline import device_info, time_cuda
+from specdec.models.cpu_products import unroute_few_row_products
 from specdec.models.target import load_target
 
 
@@ -59,8 +60,7 @@ def main() -> None:
             if dtype == "fp32":  # load_target routes few-row products (specdec.models.cpu_products)
                 out["forward_ms"]["fp32, routed (load_target's default)"] = {T: forward_ms(model, T) for T in TOKENS}
                 print("fp32 routed", out["forward_ms"]["fp32, routed (load_target's default)"], flush=True)
-                for m in model.modules():
-                    m.__dict__.pop("forward", None)  # back to F.linear
+                unroute_few_row_products(model)  # back to F.linear
             out["forward_ms"][dtype] = {T: forward_ms(model, T) for T in TOKENS}
             print(dtype, out["forward_ms"][dtype], flush=True)
             del model

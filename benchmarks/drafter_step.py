@@ -130,13 +130,17 @@ def tree_rounds(d: Eagle3Drafter, dev, n: int) -> dict:
     return res
 
 
-def e2e(dev, res, out) -> None:
+E2E_ROWS = ("plain", "eagle3-k5-eager", "eagle3-k5-static", "eagle3-k3-static")
+
+
+def e2e(dev, res, out, names=E2E_ROWS) -> None:
     import tempfile
 
     from transformers import AutoModelForCausalLM
 
     from specdec.engine.api import SamplingParams as SP
     from specdec.engine.fast import FastEngine
+    from specdec.engine.tree import TreeConfig
     from specdec.models.target import load_target
     from specdec.models.tiny import byte_tokenizer
 
@@ -152,9 +156,14 @@ def e2e(dev, res, out) -> None:
     params = SP(max_new_tokens=128 if dev.type == "cuda" else 8, ignore_eos=True)
     plain = FastEngine(target, max_len=512, require_cuda=False)
     rows = {}
-    for name, kw in (("plain", {}), ("eagle3-k5-eager", {"drafter": drafter, "k": 5, "static_drafter": False}),
-                     ("eagle3-k5-static", {"drafter": drafter, "k": 5, "static_drafter": True}),
-                     ("eagle3-k3-static", {"drafter": drafter, "k": 3, "static_drafter": True})):
+    tree = TreeConfig(depth=6, top_k=8, total_tokens=48)
+    variants = {"plain": {}, "eagle3-k5-eager": {"drafter": drafter, "k": 5, "static_drafter": False},
+                "eagle3-k5-static": {"drafter": drafter, "k": 5, "static_drafter": True},
+                "eagle3-k3-static": {"drafter": drafter, "k": 3, "static_drafter": True},
+                "eagle3-tree-eager": {"drafter": drafter, "tree": tree, "static_drafter": False},
+                "eagle3-tree-static": {"drafter": drafter, "tree": tree, "static_drafter": True}}
+    for name in ("plain", *[n for n in names if n != "plain"]):
+        kw = variants[name]
         e = plain if name == "plain" else FastEngine(target, max_len=512, decoder=plain.fast, require_cuda=False, **kw)
         t0 = time.perf_counter()
         e.warmup()
@@ -180,6 +189,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--e2e", action="store_true", help="also time FastEngine steps on a random SmolLM2-shaped target")
+    ap.add_argument("--e2e-rows", default=",".join(E2E_ROWS),
+                    help="engine rows for --e2e (plain always runs first): plain, eagle3-k5-eager, "
+                         "eagle3-k5-static, eagle3-k3-static, eagle3-tree-eager, eagle3-tree-static")
     ap.add_argument("--tree-only", action="store_true",
                     help="time only a tree round (depth 6, top-k 8, 48 tokens): the eager proposer against "
                          "StaticTreeDrafter, compiled and captured")
@@ -203,8 +215,11 @@ def main() -> int:
     if args.tree_only:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        res["tree"] = tree_rounds(d, dev, args.rounds)
-        (out / "h200_drafter_step_tree.json").write_text(json.dumps(res, indent=1))
+        if args.rounds:
+            res["tree"] = tree_rounds(d, dev, args.rounds)
+            (out / "h200_drafter_step_tree.json").write_text(json.dumps(res, indent=1))
+        if args.e2e:
+            e2e(dev, res, out, args.e2e_rows.split(","))
         return 0
     def via(fn):
         return lambda q, k, v, mask: fn(q, k, v, attn_mask=mask, enable_gqa=True)

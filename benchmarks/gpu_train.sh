@@ -16,7 +16,7 @@
 #   bash benchmarks/gpu_train.sh l   # stage the first GGUF half; a tree round eager against StaticTreeDrafter
 #   bash benchmarks/gpu_train.sh m   # (after l) second half; bench trees and chains with the drafter k brought home
 #                                    # (carry runs/gpu_k/drafter-home/config.json and model.safetensors)
-#   bash benchmarks/gpu_train.sh n   # (after m) where the CPU quickstart's minutes go best: epochs, data, prompt tokens
+#   bash benchmarks/gpu_train.sh n   # (after l or m) where the CPU quickstart's minutes go best: epochs, data, prompt tokens
 #
 # A machine without PyPI access gets the SmolLM2 GGUF in two halves (.devdata/p1/part0,
 # .devdata/p2/part1), the prompt sets as a SPECDEC_HOME data folder (.devdata/home/data) and the
@@ -168,17 +168,18 @@ case "$1" in
       | grep -v Warning | tee "$OUT/drafter_step_tree.log"
     ;;
   m)
-    assemble_smollm2
+    [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2
     D=${DRAFTER:-runs/gpu_k/drafter-home}
     for tree in 6,8,48 5,8,32 4,4,16; do
       ks=3; [ $tree = 6,8,48 ] && ks=3,5
       timeout "${BENCH_S:-170}" python3 -m specdec bench --target smollm2-135m-instruct --drafter "$D" --limit 5 \
-        --max-new-tokens 256 --k $ks --tree $tree --no-hf --out "$OUT/bench_tree_$tree.json" 2>&1 \
-        | grep -v Warning | tail -16 | tee "$OUT/bench_tree_$tree.log"
+        --max-new-tokens 256 --k $ks --tree $tree --no-hf --out "$OUT/bench_tree_${tree//,/-}.json" 2>&1 \
+        | grep -v Warning | tail -16 | tee "$OUT/bench_tree_${tree//,/-}.log"
     done
     ;;
   n)
-    timeout 560 python3 benchmarks/drafter_recipes.py --out "$OUT" --budget-s 470 --prompts 320 --eval-prompts 20 \
+    [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2
+    timeout 540 python3 benchmarks/drafter_recipes.py --out "$OUT" --budget-s 470 --prompts 320 --eval-prompts 20 \
       --recipes cpu,cpu-alltok,cpu-d3-ep2,cpu-orig-ep2,cpu-orig-alltok-ep2,cpu-d3,cpu-ep12 2>&1 \
       | grep -v Warning | tee "$OUT/drafter_recipes_cpu.log"
     ;;

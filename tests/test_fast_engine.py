@@ -1,6 +1,6 @@
 """The fast path computes what HF computes: logits of the fused static-cache decoder equal the HF
 model's (fp32, CPU, no compile, no graphs), and FastEngine's greedy output is token-identical to
-the reference engine's, plain, n-gram, EAGLE-3 chain and tree. GPU-only parts (compile, CUDA
+the reference engine's, plain, n-gram, EAGLE-3 chain and tree, also compiled on the CPU. GPU-only parts (CUDA
 graphs, timing) are exercised by benchmarks/*.py and skipped here without a GPU."""
 
 import pytest
@@ -121,7 +121,7 @@ def test_refuses_unsupported(tiny_targets):
         check_supported(tiny_targets["deepseek_v3"].config)
     with pytest.raises(SpecdecError, match="CUDA"):
         FastEngine(tiny_targets["llama"])  # CPU target, require_cuda defaults to True
-    # make_engine falls back to the reference engine on CPU or an unsupported arch.
+    # make_engine falls back to the reference engine for an fp32 CPU target or an unsupported arch.
     assert type(make_engine(tiny_targets["llama"], ngram=3, max_len=64)) is SpeculativeEngine
     assert type(make_engine(tiny_targets["deepseek_v3"])) is SpeculativeEngine
     with pytest.raises(SpecdecError, match="does not apply"):
@@ -151,3 +151,55 @@ def test_cuda_graph_greedy_matches_reference_fp32(tiny_dirs):
     ref = SpeculativeEngine(target).generate(prompt, GREEDY).token_ids
     eng = FastEngine(target, ngram=3, k=4, max_len=128, prefill_chunk=8)
     assert eng.generate(prompt, GREEDY).token_ids == ref
+
+
+def test_compiled_on_cpu_identical_to_reference(tiny_targets):
+    """The CPU fast path's inductor-compiled steps (fp32 here, where few-row products run as
+    `weight @ x.T`) decode what the reference engine decodes, plain and with an EAGLE-3 chain."""
+    target = tiny_targets["llama"]
+    prompt = _prompt()
+    ref = SpeculativeEngine(target).generate(prompt, GREEDY).token_ids
+    plain = _fast(target, compile=True)
+    assert plain.fast.compiled
+    assert plain.generate(prompt, GREEDY).token_ids == ref
+    eagle = _fast(target, drafter=random_drafter(target), k=3, compile=True, decoder=plain.fast,
+                  static_drafter=False)
+    assert eagle.generate(prompt, GREEDY).token_ids == ref
+
+
+def _bf16(target):
+    import copy
+
+    from specdec.models.target import Target
+
+    return Target(copy.deepcopy(target.model).to(torch.bfloat16), target.tokenizer, name=target.name + "-bf16")
+
+
+def test_make_engine_cpu_fast_path_choice(tiny_targets, monkeypatch):
+    """On a CPU make_engine compiles the fast path for bf16 targets above a size threshold, keeps
+    the reference engine for fp32, small targets or no C++ compiler, and falls back (with a
+    warning) when compiling fails, unless fast=True asked for the fast path."""
+    import specdec.engine.fast as fast_mod
+
+    warmed = []
+    monkeypatch.setattr(FastEngine, "warmup", lambda self: warmed.append(self) or 0.0)
+    bf16 = _bf16(tiny_targets["llama"])
+    assert type(make_engine(bf16, ngram=3, max_len=64)) is SpeculativeEngine  # tiny: below the threshold
+    assert "parameters" in fast_mod.cpu_fast_path_blocker(bf16)
+    monkeypatch.setattr(fast_mod, "CPU_FAST_MIN_PARAMS", 0)
+    eng = make_engine(bf16, drafter=random_drafter(tiny_targets["llama"]).to(torch.bfloat16), k=2, max_len=64)
+    assert type(eng) is FastEngine and eng.fast.compiled and eng.static is None and warmed == [eng]
+    assert type(make_engine(tiny_targets["llama"], max_len=64)) is SpeculativeEngine  # fp32
+    with monkeypatch.context() as m:
+        m.setattr(fast_mod.shutil, "which", lambda name: None)
+        assert "C++ compiler" in fast_mod.cpu_fast_path_blocker(bf16)
+        assert type(make_engine(bf16, max_len=64)) is SpeculativeEngine
+
+    def broken(self):
+        raise RuntimeError("InductorError: no cpp compiler")
+
+    monkeypatch.setattr(FastEngine, "warmup", broken)
+    with pytest.warns(UserWarning, match="CPU fast path failed to compile"):
+        assert type(make_engine(bf16, ngram=3, max_len=64)) is SpeculativeEngine
+    with pytest.raises(RuntimeError, match="no cpp compiler"):
+        make_engine(bf16, fast=True, max_len=64)

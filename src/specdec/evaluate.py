@@ -45,7 +45,7 @@ def _plain_like(engine):
         FastEngine = None
     if FastEngine is not None and isinstance(engine, FastEngine):
         return FastEngine(engine.target, k=engine.k, decoder=engine.fast, max_len=engine.max_len,
-                          prefill_chunk=engine.prefill_chunk)
+                          prefill_chunk=engine.prefill_chunk, require_cuda=False)
     from .engine.engine import SpeculativeEngine
 
     return SpeculativeEngine(engine.target, k=engine.k)

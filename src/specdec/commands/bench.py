@@ -9,10 +9,11 @@ DESCRIPTION = """\
 Time the same chat prompts through: HF generate (greedy), HF prompt lookup
 (generate(prompt_lookup_num_tokens=N)), with --assistant HF assisted generation
 (generate(assistant_model=...)), specdec plain, specdec n-gram and, with --drafter,
-specdec EAGLE-3 chains of k = 1..7 drafts and a dynamic tree. On a CUDA GPU, specdec rows use the
-fast path (static KV cache, CUDA graphs; Llama/Qwen2/Qwen3/Mistral targets); elsewhere, or with
---reference, the reference engine. Ratios are taken within this run. Prints a table, then one
-JSON line (with --json, only the JSON line).
+specdec EAGLE-3 chains of k = 1..7 drafts and a dynamic tree. specdec rows use the fast path
+(static KV cache; Llama/Qwen2/Qwen3/Mistral targets) on a CUDA GPU, in CUDA graphs, and on a CPU
+for bf16 targets of 50M+ parameters, compiled by inductor (a C++ compiler needed); elsewhere, or
+with --reference, the reference engine. Ratios are taken within this run. Prints a table, then
+one JSON line (with --json, only the JSON line).
 
 examples:
   specdec bench --target tiny-llama --limit 2 --max-new-tokens 16        # seconds, any CPU
@@ -50,7 +51,7 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default=None,
                    help="auto, bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on CPU; auto: bf16 also on CPUs "
                         "with native bf16)")
-    p.add_argument("--reference", action="store_true", help="use the reference engine even on a GPU")
+    p.add_argument("--reference", action="store_true", help="use the reference engine even where the fast path applies")
     p.add_argument("--eager-drafter", action="store_true",
                    help="fast path: EAGLE-3 chains and trees draft eagerly instead of compiled in CUDA graphs "
                         "(StaticChainDrafter / StaticTreeDrafter, the default: a chain round of 5 in 0.66 "

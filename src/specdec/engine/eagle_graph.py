@@ -62,7 +62,11 @@ class _StaticDrafter:
         self._eager_steps = {"_commit_graph": self._commit, "_draft_graph": self._draft}
         self._steps = self._eager_steps
         if compile:
-            self._steps = {name: torch.compile(fn, dynamic=False, fullgraph=True)
+            # Without coordinate-descent tuning even where the target's FastDecoder turned it on
+            # for the process: tuning every kernel of a tree's six unrolled depths kept an H200
+            # compiling for minutes, and the chain's round measured 0.66 ms without it.
+            self._steps = {name: torch.compile(fn, dynamic=False, fullgraph=True,
+                                               options={"coordinate_descent_tuning": False})
                            for name, fn in self._eager_steps.items()}
 
     # -- the steps -------------------------------------------------------------------------

@@ -25,17 +25,24 @@ MAX_ROWS = 8  # measured up to 8 rows; from 12-16 rows on both paths cost about 
 PAD_ONE_ROW_RATIO = 4
 
 
-def few_row_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, computed as `weight @ x.T` for few fp32 rows on a CPU. Every
+    test is on shapes, dtype and device, so under torch.compile it resolves while tracing."""
     rows = x.numel() // x.shape[-1]
     if rows > MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu":
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, weight, bias)
+    out_features, in_features = weight.shape
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:
-        if self.out_features < PAD_ONE_ROW_RATIO * self.in_features:
-            return F.linear(x, self.weight, self.bias)
+        if out_features < PAD_ONE_ROW_RATIO * in_features:
+            return F.linear(x, weight, bias)
         flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
-    y = (self.weight @ flat.T).T[:rows].reshape(*x.shape[:-1], self.out_features)
-    return y if self.bias is None else y + self.bias
+    y = (weight @ flat.T).T[:rows].reshape(*x.shape[:-1], out_features)
+    return y if bias is None else y + bias
+
+
+def few_row_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return few_row_linear(x, self.weight, self.bias)
 
 
 def route_few_row_products(model: nn.Module) -> int:
@@ -45,5 +52,15 @@ def route_few_row_products(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is nn.Linear and module.weight.dtype == torch.float32:
             module.forward = few_row_forward.__get__(module)
+            n += 1
+    return n
+
+
+def unroute_few_row_products(model: nn.Module) -> int:
+    """Undo `route_few_row_products` (to measure against `F.linear`); returns how many layers."""
+    n = 0
+    for module in model.modules():
+        if getattr(module.forward, "__func__", None) is few_row_forward:
+            del module.forward
             n += 1
     return n

@@ -64,7 +64,8 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="target precision; auto: bf16 on a GPU and on CPUs with native bf16 "
                         "(AVX512-BF16/AMX, ~3x faster there), else fp32 (default: auto)")
-    p.add_argument("--reference", action="store_true", help="evaluate with the reference engine even where the fast path applies")
+    p.add_argument("--reference", action="store_true",
+                   help="evaluate with the reference engine even where the fast path applies")
     p.add_argument("--json", action="store_true", help="print only the final JSON line on stdout")
     p.set_defaults(func=run)
 

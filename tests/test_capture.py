@@ -288,3 +288,23 @@ def test_fingerprint_ignores_the_load_dtype_but_not_the_weights(tiny_dirs, tmp_p
     with torch.no_grad():
         next(fp32.model.parameters()).add_(0.5)
     assert any("fingerprint" in m for m in store.mismatch_with(fp32))
+
+
+def test_target_fingerprint_ignores_where_the_folder_lies(tiny_dirs, tmp_path):
+    """The same weights copied elsewhere (another cache, another machine's transformers writing
+    the config) keep their fingerprint, so a capture made there trains here; other weights differ."""
+    import shutil
+
+    from specdec.models.target import load_target
+
+    src = tiny_dirs["llama"]
+    moved = tmp_path / "elsewhere" / "model"
+    shutil.copytree(src, moved)
+    cfg = json.loads((moved / "config.json").read_text())
+    cfg["transformers_version"] = "0.0.1"
+    (moved / "config.json").write_text(json.dumps(cfg))
+    a, b = load_target(str(src)), load_target(str(moved))
+    assert a.fingerprint() == b.fingerprint()
+    with torch.no_grad():
+        next(b.model.parameters()).add_(1.0)
+    assert a.fingerprint() != b.fingerprint()

@@ -120,8 +120,10 @@ class Target:
 
         The same weights loaded in fp32 or bf16 hash alike (config without its dtype, weights
         rounded to bf16): a capture made with `--model-dtype bf16` trains with the target loaded
-        in fp32, while different weights still differ."""
-        cfg = {k: v for k, v in self.config.to_dict().items() if k not in ("dtype", "torch_dtype")}
+        in fp32, while different weights still differ. Nor do where the folder lies and which
+        transformers wrote the config count: a capture made on a GPU machine trains elsewhere."""
+        skip = ("dtype", "torch_dtype", "_name_or_path", "transformers_version")
+        cfg = {k: v for k, v in self.config.to_dict().items() if k not in skip}
         h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
         with torch.no_grad():
             for _, p in list(self.model.named_parameters())[:: max(1, len(list(self.model.parameters())) // 16)]:

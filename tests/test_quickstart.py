@@ -26,6 +26,7 @@ def test_quickstart_runs_and_resumes(tmp_path):
     assert (out / "train" / "drafter" / "config.json").exists()
     # --dtype auto: bf16 where this CPU multiplies bf16 natively, else fp32 (specdec.precision)
     assert line["dtype"] == dtype_name(compute_dtype("cpu"))
+    assert line["engine"] == "reference"  # a tiny target: compiling the CPU fast path would not pay
     # Every sampled question is either evaluated or reported as skipped (longer than the context).
     assert line["questions"] >= 1 and line["questions"] + line["questions_skipped"] == 2
     assert ("exceed the context" in r.stderr) == (line["questions_skipped"] > 0)

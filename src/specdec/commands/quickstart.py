@@ -84,7 +84,7 @@ def run(args) -> int:
     from ..capture.store import CaptureStore
     from ..data.datasets import load_conversations, short_first_turns
     from ..data.regenerate import RegenConfig, regenerate_local
-    from ..engine.fast import make_engine
+    from ..engine.fast import FastEngine, make_engine
     from ..engine.tree import TreeConfig
     from ..evaluate import evaluate
     from ..models.formats import load_drafter
@@ -187,7 +187,7 @@ def run(args) -> int:
         "per_position_acceptance": result["per_position_acceptance"],
         "tokens_per_s": result["tokens_per_s"], "plain_tokens_per_s": result.get("plain_tokens_per_s"),
         "speedup": result.get("speedup"), "tree": tree, "device": str(target.device),
-        "dtype": dtype_name(target.dtype),
+        "dtype": dtype_name(target.dtype), "engine": "fast" if isinstance(engine, FastEngine) else "reference",
         "questions": result["num_prompts"], "questions_skipped": result.get("skipped_prompts", 0),
         "seconds": {k: round(v, 1) for k, v in timings.items()},
     }

@@ -698,18 +698,18 @@ def _tree_mask(parents: list[int], T: int) -> np.ndarray:
 
 
 # The CPU fast path: the same decoder compiled by inductor's C++ backend, no CUDA graphs. On a
-# 2-core AMD EPYC with AVX512-BF16 (benchmarks/cpu_fast_path.py, SmolLM2-135M-Instruct in bf16,
-# the GPU-trained drafter): plain 20.2 tok/s against 15.6 for the reference engine, EAGLE-3 k = 2
-# 28.9 against 19.6 for the reference's best chain. Compiling takes 5-20 s per step size, which
+# 2-core AMD EPYC with AVX512-BF16 (`specdec bench`, SmolLM2-135M-Instruct in bf16, the
+# GPU-trained drafter; BENCHMARKS.md "The CPU fast path"): plain 22.6 tok/s against 15.5 for the
+# reference engine, EAGLE-3 k = 3 31.7 against 22.0. Compiling takes 5-20 s per step size, which
 # a model of a few million parameters never earns back, and in fp32 the verify steps lost to the
-# reference engine's routed products (specdec.models.cpu_products): bf16 and fp16 only.
+# reference engine's routed products (specdec.models.cpu_products; an ad-hoc run): bf16 only.
 CPU_FAST_MIN_PARAMS = 50_000_000
 
 
 def cpu_fast_path_blocker(target: Target) -> str | None:
     """Why the CPU fast path does not apply to `target` (None: it does)."""
-    if target.dtype not in (torch.bfloat16, torch.float16):
-        return f"the target is {str(target.dtype).replace('torch.', '')} on a CPU (the fast path there is bf16/fp16)"
+    if target.dtype != torch.bfloat16:
+        return f"the target is {str(target.dtype).replace('torch.', '')} on a CPU (the fast path there is bf16)"
     n = sum(p.numel() for p in target.model.parameters())
     if n < CPU_FAST_MIN_PARAMS:
         return f"the target has {n:,} parameters; compiling would cost more than it saves below {CPU_FAST_MIN_PARAMS:,}"
@@ -743,7 +743,7 @@ def make_engine(target: Target, *, fast: bool | None = None, **kwargs) -> Specul
     if not on_cpu:
         return FastEngine(target, **kwargs)
     # On a CPU the eager proposer drafts: the static drafters without CUDA graphs measured slower
-    # (24.4 against 27.7 tok/s at k = 3, same setup as above).
+    # (24.4 against 27.7 tok/s at k = 3, same setup as above, an ad-hoc run).
     engine = FastEngine(target, **{**kwargs, "require_cuda": False, "compile": True, "static_drafter": False})
     try:
         engine.warmup()  # compiles now, so a missing toolchain shows here and not mid-generation

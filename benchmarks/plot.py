@@ -150,7 +150,8 @@ if __name__ == "__main__":
         if (R / f"cpu_qwen15_head_to_head{suffix}.json").exists():
             plot_bench(f"cpu_qwen15_head_to_head{suffix}.json", f"cpu_qwen15_head_to_head{suffix}.png",
                        f"Qwen2.5-Coder-1.5B-Instruct, 2-core CPU, {dtype}: HF assisted (0.5B) vs specdec EAGLE-3")
-    for name, what in (("cpu_smollm2_fast_path_bench", "CPU fast path"), ("cpu_smollm2_reference_bench", "reference engine")):
+    for name, what in (("cpu_smollm2_fast_path_bench", "CPU fast path"),
+                       ("cpu_smollm2_reference_bench", "reference engine")):
         if (R / f"{name}.json").exists():
             plot_bench(f"{name}.json", f"{name}.png",
                        f"SmolLM2-135M-Instruct, 2-core CPU, bf16, GPU-trained drafter: {what}")

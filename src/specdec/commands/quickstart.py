@@ -12,7 +12,7 @@ with training-time test, then measure it on MT-Bench against plain decoding and 
 then the same drafter drafting an EAGLE-2 dynamic tree) ending with one JSON line. Every stage
 resumes: run the same command again after a crash.
 
-Defaults finish in 8 to 12 minutes on a 2-core CPU with native bf16 (AVX512-BF16 or AMX; about 15
+Defaults finish in 8 to 16 minutes on a 2-core CPU with native bf16 (AVX512-BF16 or AMX; about 15
 in fp32 elsewhere); with CUDA they use more data.
 
 examples:
@@ -21,7 +21,8 @@ examples:
   specdec quickstart --target tiny-llama --prompts 8 --eval-prompts 2 --max-new-tokens 16   # smoke test
 """
 
-# CPU: 2 cores, measured: 8-12 minutes where the CPU has native bf16, ~15 in fp32; the bar is 20.
+# CPU: 2 cores, measured: 8-16 minutes where the CPU has native bf16 (shared machines at the top of
+# that range), ~15 in fp32; the bar is 20.
 # Small batches at a higher learning rate: on the same 33K-token capture, 4 epochs at 256
 # tokens/batch and lr 3e-3 gave a held-out simulated acceptance length of 1.41 against 1.31 at
 # 1024 tokens and lr 1e-3 (benchmarks/drafter_recipes.py). Twice the prompts changed nothing

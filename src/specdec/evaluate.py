@@ -164,7 +164,7 @@ def evaluate(engine, tokenizer, conversations, *, max_new_tokens: int, compare_p
     skipped = len(prompts) - len(fits)
     if not fits:
         raise SpecdecError(
-            f"every prompt is longer than the target's context of {max_len} tokens minus "
+            f"every prompt is longer than the engine's context of {max_len} tokens minus "
             f"max_new_tokens {max_new_tokens} (shortest: {min(map(len, prompts))} tokens); lower "
             f"--max-new-tokens or use shorter prompts"
         )

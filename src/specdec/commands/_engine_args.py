@@ -7,7 +7,9 @@ from __future__ import annotations
 from ..errors import SpecdecError
 
 
-def add_engine_args(p, *, target_required: bool = True) -> None:
+def add_engine_args(p, *, target_required: bool = True, fast_path: bool = False) -> None:
+    """`fast_path`: the command builds its engine with `make_engine` (the fast path where it
+    applies) and offers --reference to opt out."""
     p.add_argument("--target", required=target_required, metavar="MODEL",
                    help="registry name (smollm2-135m-instruct), local HF folder, .gguf file or hub id")
     draft = p.add_mutually_exclusive_group()
@@ -22,6 +24,10 @@ def add_engine_args(p, *, target_required: bool = True) -> None:
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"],
                    help="default: bf16 on GPU, fp32 on CPU; auto: bf16 also on CPUs with native bf16 "
                         "(AVX512-BF16/AMX, ~1.5x faster decoding there)")
+    if fast_path:
+        p.add_argument("--reference", action="store_true",
+                       help="use the reference engine even where the fast path applies (a CUDA GPU; bf16 "
+                            "targets of 50M+ parameters on a CPU): no compile wait, any context length")
 
 
 def tree_config(args):
@@ -38,8 +44,10 @@ def tree_config(args):
     return TreeConfig(depth=args.tree_depth or 6, top_k=args.tree_top_k or 8, total_tokens=args.tree_tokens or 48)
 
 
-def build_engine(args, target=None):
-    """(target, engine) from parsed flags; loads the target unless one is given."""
+def build_engine(args, target=None, *, max_len: int | None = None):
+    """(target, engine) from parsed flags; loads the target unless one is given. Commands that
+    registered --reference get `make_engine`'s choice (the fast path, whose static cache holds
+    `max_len` tokens, default 2048); the others the reference engine."""
     from ..engine.engine import SpeculativeEngine
     from ..models.formats import load_drafter
     from ..models.target import load_target
@@ -52,5 +60,10 @@ def build_engine(args, target=None):
     if target is None:
         target = load_target(args.target, device=args.device, dtype=args.dtype)
     drafter = load_drafter(args.drafter, target, dtype=target.dtype) if args.drafter else None
-    engine = SpeculativeEngine(target, drafter=drafter, ngram=args.ngram, k=args.k, tree=tree)
+    if not hasattr(args, "reference"):
+        return target, SpeculativeEngine(target, drafter=drafter, ngram=args.ngram, k=args.k, tree=tree)
+    from ..engine.fast import make_engine
+
+    engine = make_engine(target, fast=False if args.reference else None, drafter=drafter, ngram=args.ngram,
+                         k=args.k, tree=tree, max_len=max_len)
     return target, engine

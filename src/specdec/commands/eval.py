@@ -14,6 +14,9 @@ first user turn of each prompt and sum its per-step counters. Prints per-positio
 (P(at least i+1 drafts accepted), as vLLM's accepted_tokens_per_pos), mean acceptance length
 (tokens per target pass that drafted), acceptance rate, drafts, tok/s and, with
 --compare-plain, plain-decoding tok/s on the same prompts and the speedup. Greedy by default.
+The engine is `specdec bench`'s: the fast path (static KV cache, CUDA graphs) on a CUDA GPU and
+for bf16 targets of 50M+ parameters on a CPU (compiled by inductor first, seconds to a minute),
+else the reference engine; --reference asks for the reference engine.
 
 examples:
   specdec eval --target smollm2-135m-instruct --drafter runs/quickstart/train/drafter --limit 10
@@ -27,7 +30,7 @@ examples:
 def register(subparsers) -> None:
     p = subparsers.add_parser("eval", help="measure acceptance and speed on a prompt set",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(p)
+    add_engine_args(p, fast_path=True)
     p.add_argument("--prompts", default="mt-bench", metavar="SOURCE",
                    help="mt-bench (default), humaneval, sharegpt, or a .json/.jsonl file of conversations")
     p.add_argument("--limit", type=int, metavar="N", help="evaluate a random sample of N prompts (seeded)")
@@ -99,6 +102,7 @@ def print_table(result: dict, title: str, file=None) -> None:
 def run(args) -> int:
     from ..data.datasets import load_conversations
     from ..engine.api import SamplingParams
+    from ..engine.fast import FastEngine
     from ..errors import SpecdecError
     from ..evaluate import evaluate
 
@@ -125,8 +129,10 @@ def run(args) -> int:
         print(json.dumps(result))
         return 0
     if result["skipped_prompts"]:
-        print(f"skipped {result['skipped_prompts']} prompts that do not fit the target's context with "
-              f"--max-new-tokens {args.max_new_tokens}", file=sys.stderr)
+        print(f"skipped {result['skipped_prompts']} prompts that do not fit the engine's context of "
+              f"{engine.max_len} tokens with --max-new-tokens {args.max_new_tokens}"
+              + (" (the fast path's cache; --reference decodes with the target's whole context)"
+                 if isinstance(engine, FastEngine) else ""), file=sys.stderr)
     what = f"drafter {args.drafter}" if args.drafter else f"n-gram lookup (n<={args.ngram})"
     shape = f"tree depth {engine.tree.depth}" if engine.tree else f"k={engine.k}"
     sampling = "greedy" if args.temperature <= 0 else f"T={args.temperature}"

@@ -18,6 +18,10 @@ Drafting: --drafter DIR (an EAGLE-3 drafter in eagle3 or speculators format; cha
 --num-speculative-tokens, or a tree with --tree-depth/--tree-top-k/--tree-tokens), --ngram N
 (prompt lookup, no drafter), or neither (plain decoding: the baseline to compare against).
 
+Engine: the fast path (static KV cache, CUDA graphs; compiled and captured at start-up) on a
+CUDA GPU and for bf16 targets of 50M+ parameters on a CPU, else the reference engine; the banner
+says which, --reference asks for the reference engine.
+
 Scheduling: FIFO, one sequence at a time. Requests queue in arrival order and a single engine
 worker generates them one after another (the engine is batch-1), so under concurrent load a
 request waits for every request ahead of it (see vllm:num_requests_waiting). A client that
@@ -48,7 +52,7 @@ def register(subparsers) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_engine_args(p)
+    add_engine_args(p, fast_path=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any free port)")
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"), metavar="KEY",
@@ -56,7 +60,8 @@ def register(subparsers) -> None:
     p.add_argument("--served-model-name", metavar="NAME",
                    help="model name clients send and /metrics labels carry (default: the target's name)")
     p.add_argument("--max-model-len", type=int, metavar="TOKENS",
-                   help="context limit for prompt + completion (default: the target's max_position_embeddings)")
+                   help="context limit for prompt + completion (default: the target's max_position_embeddings; "
+                        "on the fast path 2048, its static KV cache being allocated up front)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.set_defaults(func=run)
 
@@ -84,7 +89,8 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def banner(*, host: str, port: int, model: str, mode: str, k: int, max_model_len: int, api_key: bool) -> str:
+def banner(*, host: str, port: int, model: str, mode: str, k: int, max_model_len: int, api_key: bool,
+           engine: str = "reference") -> str:
     base = f"http://{_url_host(host)}:{port}"
     auth = ' -H "Authorization: Bearer $SPECDEC_API_KEY"' if api_key else ""
     quoted = model.replace('"', '\\"').replace("'", "'\\''")  # inside JSON inside single quotes
@@ -92,7 +98,7 @@ def banner(*, host: str, port: int, model: str, mode: str, k: int, max_model_len
     drafting = mode if mode == "plain" else f"{mode}, k={k}"
     lines = [
         f"specdec serve: ready on {base}  (FIFO, one sequence at a time)",
-        f"  model     {model}  ({drafting}, max model len {max_model_len})",
+        f"  model     {model}  ({drafting}, max model len {max_model_len}, {engine} engine)",
         f"  api       {base}/v1" + ("  (API key required)" if api_key else ""),
         f"  try       curl -s {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'",
         f"  metrics   curl -s {base}/metrics | grep spec_decode",
@@ -120,11 +126,12 @@ def run(args) -> int:
     import uvicorn
 
     from specdec.engine.api import SamplingParams
+    from specdec.engine.fast import FastEngine
     from specdec.server.app import ServeSettings, create_app
 
     print(f"specdec serve: loading {args.target}" + (f" + drafter {args.drafter}" if args.drafter else ""),
           file=sys.stderr, flush=True)
-    target, engine = build_engine(args)
+    target, engine = build_engine(args, max_len=args.max_model_len)
     max_len = args.max_model_len or engine.max_len
     if max_len > engine.max_len:
         raise SpecdecError(
@@ -153,7 +160,8 @@ def run(args) -> int:
             except (AttributeError, IndexError):
                 pass
             print(banner(host=args.host, port=port, model=name, mode=engine.mode, k=shown_k,
-                         max_model_len=max_len, api_key=bool(settings.api_key)), flush=True)
+                         max_model_len=max_len, api_key=bool(settings.api_key),
+                         engine="fast" if isinstance(engine, FastEngine) else "reference"), flush=True)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             access_log=args.access_log, timeout_graceful_shutdown=5)

@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_train.sh l   # stage the first GGUF half; a tree round eager against StaticTreeDrafter
 #   bash benchmarks/gpu_train.sh m   # (after l) second half; bench trees and chains with the drafter k brought home
 #                                    # (carry runs/gpu_k/drafter-home/config.json and model.safetensors)
+#   bash benchmarks/gpu_train.sh p   # (after m) `specdec eval` and `specdec serve` on the fast path with that drafter
 #   bash benchmarks/gpu_train.sh n   # (after l or m) where the CPU quickstart's minutes go best: epochs, data, prompt tokens
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
@@ -172,7 +173,7 @@ case "$1" in
   m)
     [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2
     D=${DRAFTER:-runs/gpu_k/drafter-home}
-    for tree in 6,8,48 5,8,32 4,4,16; do
+    for tree in ${TREES:-6,8,48 5,8,32 4,4,16}; do
       ks=3; [ $tree = 6,8,48 ] && ks=3,5
       timeout "${BENCH_S:-170}" python3 -m specdec bench --target smollm2-135m-instruct --drafter "$D" --limit 5 \
         --max-new-tokens 256 --k $ks --tree $tree --no-hf --out "$OUT/bench_tree_${tree//,/-}.json" 2>&1 \
@@ -184,6 +185,24 @@ case "$1" in
     timeout 480 python3 benchmarks/drafter_step.py --tree-only --rounds 20 --e2e \
       --e2e-rows eagle3-k5-static,eagle3-tree-static,eagle3-tree-eager --out "$OUT" 2>&1 \
       | grep -v Warning | tee "$OUT/drafter_step_tree_e2e.log"
+    ;;
+  p)
+    D=${DRAFTER:-runs/gpu_k/drafter-home}
+    timeout 200 python3 -m specdec eval --target smollm2-135m-instruct --drafter "$D" --k 3 --limit 10 \
+      --max-new-tokens 256 --compare-plain --json > "$OUT/eval_fast.json" 2> "$OUT/eval_fast.err"
+    tail -3 "$OUT/eval_fast.err"; head -c 700 "$OUT/eval_fast.json"; echo
+    python3 -m specdec serve --target smollm2-135m-instruct --drafter "$D" --num-speculative-tokens 3 --port 8321 \
+      > "$OUT/serve_fast.log" 2>&1 &
+    for _ in $(seq 150); do grep -q "ready on" "$OUT/serve_fast.log" && break; sleep 1; done
+    grep -v Warning "$OUT/serve_fast.log" | head -8
+    for i in 1 2 3; do
+      curl -s -m 60 http://127.0.0.1:8321/v1/chat/completions -H 'Content-Type: application/json' -d \
+        '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Explain what a hash map is."}], "max_tokens": 200}' \
+        | head -c 400; echo
+    done
+    curl -s http://127.0.0.1:8321/metrics | grep "^vllm:spec_decode\|^vllm:generation_tokens" | tee "$OUT/serve_fast_metrics.txt"
+    timeout 60 python3 -m specdec diagnose http://127.0.0.1:8321/metrics 2>&1 | tail -15
+    kill %1
     ;;
   n)
     [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2

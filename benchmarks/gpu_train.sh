@@ -200,8 +200,9 @@ case "$1" in
         '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Explain what a hash map is."}], "max_tokens": 200}' \
         | head -c 400; echo
     done
-    curl -s http://127.0.0.1:8321/metrics | grep "^vllm:spec_decode\|^vllm:generation_tokens" | tee "$OUT/serve_fast_metrics.txt"
-    timeout 60 python3 -m specdec diagnose http://127.0.0.1:8321/metrics 2>&1 | tail -15
+    curl -s http://127.0.0.1:8321/metrics > "$OUT/serve_fast_metrics.txt"
+    grep "^vllm:spec_decode\|^vllm:generation_tokens" "$OUT/serve_fast_metrics.txt"
+    timeout 60 python3 -m specdec diagnose "$OUT/serve_fast_metrics.txt" 2>&1 | tail -15
     kill %1
     ;;
   n)

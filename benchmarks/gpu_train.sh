@@ -17,6 +17,8 @@
 #   bash benchmarks/gpu_train.sh m   # (after l) second half; bench trees and chains with the drafter k brought home
 #                                    # (carry runs/gpu_k/drafter-home/config.json and model.safetensors)
 #   bash benchmarks/gpu_train.sh p   # (after m) `specdec eval` and `specdec serve` on the fast path with that drafter
+#   bash benchmarks/gpu_train.sh q   # the bench's row order on random weights (chains k = 3, 5, then the 6/8/48 tree),
+#                                    # Python stacks dumped if it runs past 240 s
 #   bash benchmarks/gpu_train.sh n   # (after l or m) where the CPU quickstart's minutes go best: epochs, data, prompt tokens
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
@@ -204,6 +206,12 @@ case "$1" in
     grep "^vllm:spec_decode\|^vllm:generation_tokens" "$OUT/serve_fast_metrics.txt"
     timeout 60 python3 -m specdec diagnose "$OUT/serve_fast_metrics.txt" 2>&1 | tail -15
     kill %1
+    ;;
+  q)
+    TORCH_LOGS=recompiles timeout -s ABRT 240 python3 -X faulthandler benchmarks/drafter_step.py --tree-only \
+      --rounds 0 --e2e --e2e-rows eagle3-k3-static,eagle3-k5-static,eagle3-tree-static --out "$OUT" \
+      > "$OUT/drafter_step_bench_order.log" 2>&1
+    grep -v "Warning\|warnings.warn\|^$" "$OUT/drafter_step_bench_order.log" | tail -60
     ;;
   n)
     [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2

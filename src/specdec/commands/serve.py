@@ -140,6 +140,10 @@ def run(args) -> int:
         )
     if target.tokenizer is None:
         raise SpecdecError(f"{args.target} has no tokenizer; expected tokenizer files next to the weights")
+    if isinstance(engine, FastEngine):
+        # Every step size compiled (and on a GPU captured) now, in this thread, not on a request's time.
+        print("specdec serve: compiling the fast path's steps (--reference skips this)", file=sys.stderr, flush=True)
+        engine.warmup()
     # One short generation so the first request does not pay for lazy initialisation.
     first = target.tokenizer("Hello", add_special_tokens=False)["input_ids"][:1] or [0]
     engine.generate(list(first), SamplingParams(max_new_tokens=2, temperature=0.0))

@@ -212,6 +212,20 @@ case "$1" in
       --rounds 0 --e2e --e2e-rows eagle3-k3-static,eagle3-k5-static,eagle3-tree-static --out "$OUT" \
       > "$OUT/drafter_step_bench_order.log" 2>&1
     grep -v "Warning\|warnings.warn\|^$" "$OUT/drafter_step_bench_order.log" | tail -60
+    # eval and serve on the fast path (tiny random Llama, n-gram drafting): serve's worker thread
+    # replays CUDA graphs captured in the main thread.
+    timeout 120 python3 -m specdec eval --target tiny-llama --ngram 2 --limit 3 --max-new-tokens 32 --device cuda \
+      --compare-plain 2>&1 | grep -v "Warning\|warnings.warn" | tail -14
+    python3 -m specdec serve --target tiny-llama --ngram 2 --device cuda --port 8321 > "$OUT/serve_fast.log" 2>&1 &
+    for _ in $(seq 120); do grep -q "ready on" "$OUT/serve_fast.log" && break; sleep 1; done
+    grep -v "Warning\|warnings.warn" "$OUT/serve_fast.log" | head -4
+    for i in 1 2; do
+      curl -s -m 60 http://127.0.0.1:8321/v1/chat/completions -H 'Content-Type: application/json' \
+        -d '{"model": "tiny-llama", "messages": [{"role": "user", "content": "abc abc abc"}], "max_tokens": 40}' \
+        | head -c 300; echo
+    done
+    curl -s http://127.0.0.1:8321/metrics | grep "^vllm:spec_decode_num_\(drafts\|accepted_tokens\)_total"
+    kill %1
     ;;
   n)
     [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2

@@ -19,6 +19,7 @@
 #   bash benchmarks/gpu_train.sh p   # (after m) `specdec eval` and `specdec serve` on the fast path with that drafter
 #   bash benchmarks/gpu_train.sh q   # the bench's row order on random weights (chains k = 3, 5, then the 6/8/48 tree),
 #                                    # Python stacks dumped if it runs past 240 s
+#   bash benchmarks/gpu_train.sh s   # `specdec eval` and `specdec serve` on the CUDA fast path (tiny random Llama, no weights)
 #   bash benchmarks/gpu_train.sh n   # (after l or m) where the CPU quickstart's minutes go best: epochs, data, prompt tokens
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
@@ -212,12 +213,14 @@ case "$1" in
       --rounds 0 --e2e --e2e-rows eagle3-k3-static,eagle3-k5-static,eagle3-tree-static --out "$OUT" \
       > "$OUT/drafter_step_bench_order.log" 2>&1
     grep -v "Warning\|warnings.warn\|^$" "$OUT/drafter_step_bench_order.log" | tail -60
+    ;;
+  s)
     # eval and serve on the fast path (tiny random Llama, n-gram drafting): serve's worker thread
     # replays CUDA graphs captured in the main thread.
-    timeout 120 python3 -m specdec eval --target tiny-llama --ngram 2 --limit 3 --max-new-tokens 32 --device cuda \
+    timeout 90 python3 -m specdec eval --target tiny-llama --ngram 2 --limit 3 --max-new-tokens 32 --device cuda \
       --compare-plain 2>&1 | grep -v "Warning\|warnings.warn" | tail -14
     python3 -m specdec serve --target tiny-llama --ngram 2 --device cuda --port 8321 > "$OUT/serve_fast.log" 2>&1 &
-    for _ in $(seq 120); do grep -q "ready on" "$OUT/serve_fast.log" && break; sleep 1; done
+    for _ in $(seq 90); do grep -q "ready on" "$OUT/serve_fast.log" && break; sleep 1; done
     grep -v "Warning\|warnings.warn" "$OUT/serve_fast.log" | head -4
     for i in 1 2; do
       curl -s -m 60 http://127.0.0.1:8321/v1/chat/completions -H 'Content-Type: application/json' \

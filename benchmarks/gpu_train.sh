@@ -217,6 +217,7 @@ case "$1" in
   s)
     # eval and serve on the fast path (tiny random Llama, n-gram drafting): serve's worker thread
     # replays CUDA graphs captured in the main thread.
+    mkdir -p "$SPECDEC_HOME" && cp -r .devdata/home/data "$SPECDEC_HOME/"
     timeout 90 python3 -m specdec eval --target tiny-llama --ngram 2 --limit 3 --max-new-tokens 32 --device cuda \
       --compare-plain 2>&1 | grep -v "Warning\|warnings.warn" | tail -14
     python3 -m specdec serve --target tiny-llama --ngram 2 --device cuda --port 8321 > "$OUT/serve_fast.log" 2>&1 &

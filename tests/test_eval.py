@@ -49,6 +49,7 @@ def test_eval_ngram_json_matches_engine(prompts_file, tiny_dirs, tiny_targets, c
     assert result["k"] == 3 and result["num_prompts"] == 3 and result["skipped_prompts"] == 0
     assert len(result["per_position_acceptance"]) == 3
     assert result["versions"]["torch"] == torch.__version__ and result["device"] == "cpu"
+    assert result["engine"] == "reference"  # a tiny fp32 target on a CPU
 
     # The same prompts through the engine directly: the summed counters must agree exactly.
     target = tiny_targets["llama"]

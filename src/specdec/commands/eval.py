@@ -123,6 +123,7 @@ def run(args) -> int:
                       params=params)
     result = {
         "target": args.target, "drafter": args.drafter, "ngram": args.ngram, "prompts": args.prompts,
+        "engine": "fast" if isinstance(engine, FastEngine) else "reference",
         **result, **_environment(target, args),
     }
     if args.json:
@@ -137,5 +138,5 @@ def run(args) -> int:
     shape = f"tree depth {engine.tree.depth}" if engine.tree else f"k={engine.k}"
     sampling = "greedy" if args.temperature <= 0 else f"T={args.temperature}"
     print_table(result, f"{args.target} + {what}, {args.prompts} ({result['num_prompts']} prompts), "
-                        f"{shape}, {sampling}")
+                        f"{shape}, {sampling}, {result['engine']} engine")
     return 0

@@ -71,3 +71,11 @@ def test_best_k_zero_when_nothing_beats_plain_decoding():
 def test_conditional_rates_handles_zero():
     assert theory.conditional_rates([0.5, 0.0, 0.0]) == [0.5, 0.0, None]
     assert all(math.isfinite(x) for x in theory.extend_curve([0.5, 0.0], 5))
+
+
+def test_cost_ratio_from_speedup_inverts_speedup():
+    for e, k, c in ((1.38, 5, 0.104), (3.2, 7, 0.05), (1.9, 1, 0.3)):
+        assert math.isclose(theory.cost_ratio_from_speedup(e, k, theory.speedup(e, k, c)), c, rel_tol=1e-12)
+    assert theory.cost_ratio_from_speedup(2.0, 2, 2.5) == 0.0  # faster than free drafts: clipped at 0
+    with pytest.raises(ValueError):
+        theory.cost_ratio_from_speedup(2.0, 0, 1.0)

@@ -27,6 +27,13 @@ def test_quickstart_runs_and_resumes(tmp_path):
     # --dtype auto: bf16 where this CPU multiplies bf16 natively, else fp32 (specdec.precision)
     assert line["dtype"] == dtype_name(compute_dtype("cpu"))
     assert line["engine"] == "reference"  # a tiny target: compiling the CPU fast path would not pay
+    # The best k at the measured draft cost: k = 5 is among the candidates and, at the fitted cost,
+    # predicts the measured speedup (at most the acceptance length: the cost is clipped at 0), so
+    # the best can be no worse than that or than k = 0.
+    best = line["best_k"]
+    assert 0 <= best["k"] <= 5 and best["cost_ratio"] >= 0
+    at_k5 = min(line["speedup"], line["mean_acceptance_length"])
+    assert best["predicted_speedup"] >= max(1.0, at_k5) - 1e-9
     # Every sampled question is either evaluated or reported as skipped (longer than the context).
     assert line["questions"] >= 1 and line["questions"] + line["questions_skipped"] == 2
     assert ("exceed the context" in r.stderr) == (line["questions_skipped"] > 0)

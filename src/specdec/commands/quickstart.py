@@ -8,7 +8,8 @@ DESCRIPTION = """\
 The main job, end to end, on SmolLM2-135M-Instruct (no hub needed): fetch the model, let it
 answer ShareGPT prompts (self-distillation), capture its hidden states, train an EAGLE-3 drafter
 with training-time test, then measure it on MT-Bench against plain decoding and print a table
-(acceptance per position, mean acceptance length, tok/s without and with the drafter, speedup;
+(acceptance per position, mean acceptance length, tok/s without and with the drafter, speedup,
+the best k for this drafter predicted at the draft cost the run measured;
 then the same drafter drafting an EAGLE-2 dynamic tree) ending with one JSON line. Every stage
 resumes: run the same command again after a crash.
 
@@ -85,6 +86,7 @@ def run(args) -> int:
     from ..capture.store import CaptureStore
     from ..data.datasets import load_conversations, short_first_turns
     from ..data.regenerate import RegenConfig, regenerate_local
+    from ..diagnose.theory import best_k, cost_ratio_from_speedup
     from ..engine.fast import FastEngine, make_engine
     from ..engine.tree import TreeConfig
     from ..evaluate import evaluate
@@ -158,6 +160,13 @@ def run(args) -> int:
                 "speedup": (r["tokens_per_s"] / result["plain_tokens_per_s"]
                             if result.get("plain_tokens_per_s") else None)}
     timings["evaluate"] = time.perf_counter() - t
+    best = None
+    if result.get("speedup"):
+        # The k this drafter should be served with: its measured acceptance curve, truncated (a
+        # greedy chain's first j drafts are the same whatever k), at the cost ratio the run measured.
+        c = cost_ratio_from_speedup(result["mean_acceptance_length"], args.k, result["speedup"])
+        point = best_k(result["per_position_acceptance"], c, k_max=args.k)
+        best = {"k": point.k, "predicted_speedup": point.speedup, "cost_ratio": c}
 
     table = Table(title=f"specdec quickstart: EAGLE-3 drafter for {args.target}, MT-Bench, k={args.k}, greedy")
     table.add_column("metric")
@@ -169,6 +178,9 @@ def run(args) -> int:
     table.add_row("tok/s without drafter", f"{result.get('plain_tokens_per_s', 0):.1f}")
     table.add_row("tok/s with drafter", f"{result['tokens_per_s']:.1f}")
     table.add_row("speedup", f"{result.get('speedup', 0):.2f}x")
+    if best:
+        table.add_row(f"best k at the measured draft cost (c = {best['cost_ratio']:.2f}), predicted",
+                      f"k={best['k']}: {best['predicted_speedup']:.2f}x" if best["k"] else "0: speculation off")
     if tree:
         table.add_row(f"tree (depth {tree['depth']}, top-k 8, 48 tokens): mean acceptance length",
                       f"{tree['mean_acceptance_length']:.2f}")
@@ -187,7 +199,7 @@ def run(args) -> int:
         "acceptance_rate": result["acceptance_rate"],
         "per_position_acceptance": result["per_position_acceptance"],
         "tokens_per_s": result["tokens_per_s"], "plain_tokens_per_s": result.get("plain_tokens_per_s"),
-        "speedup": result.get("speedup"), "tree": tree, "device": str(target.device),
+        "speedup": result.get("speedup"), "best_k": best, "tree": tree, "device": str(target.device),
         "dtype": dtype_name(target.dtype), "engine": "fast" if isinstance(engine, FastEngine) else "reference",
         "questions": result["num_prompts"], "questions_skipped": result.get("skipped_prompts", 0),
         "seconds": {k: round(v, 1) for k, v in timings.items()},

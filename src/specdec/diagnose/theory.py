@@ -102,6 +102,14 @@ def speedup(expected_tokens: float, k: int, cost_ratio: float) -> float:
     return expected_tokens / (1.0 + k * cost_ratio)
 
 
+def cost_ratio_from_speedup(expected_tokens: float, k: int, measured_speedup: float) -> float:
+    """The draft/target cost ratio c that makes `speedup` give the measured speedup of a chain of k
+    (c = (E/S - 1) / k, at least 0): a measured c that also absorbs the verify step's extra cost."""
+    if k < 1 or measured_speedup <= 0:
+        raise ValueError(f"expected k >= 1 and a positive speedup, got k={k}, speedup={measured_speedup}")
+    return max(0.0, (expected_tokens / measured_speedup - 1.0) / k)
+
+
 def break_even_cost_ratio(expected_tokens: float, k: int) -> float | None:
     """The largest draft/target cost ratio at which speculation still pays: c* = (E - 1) / k."""
     if k <= 0:

@@ -228,7 +228,7 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Time every method over `prompts`; returns {"rows": [...], "fast": bool, ...}."""
-    from ..engine.fast import FastDecoder, make_engine
+    from ..engine.fast import FastDecoder, engine_kind, make_engine
 
     dev = target.device
     say = progress or (lambda s: None)
@@ -236,7 +236,7 @@ def run_bench(
     max_len = _round_up(longest + max_new_tokens + 8, 256)
     rows: list[Row] = []
     plain_engine = make_engine(target, fast=fast, max_len=max_len)
-    use_fast = type(plain_engine).__name__ == "FastEngine"
+    use_fast = engine_kind(plain_engine) == "fast"
     kind = "fast" if use_fast else "reference"
     decoder: FastDecoder | None = plain_engine.fast if use_fast else None
 

@@ -102,7 +102,7 @@ def print_table(result: dict, title: str, file=None) -> None:
 def run(args) -> int:
     from ..data.datasets import load_conversations
     from ..engine.api import SamplingParams
-    from ..engine.fast import FastEngine
+    from ..engine.fast import engine_kind
     from ..errors import SpecdecError
     from ..evaluate import evaluate
 
@@ -123,7 +123,7 @@ def run(args) -> int:
                       params=params)
     result = {
         "target": args.target, "drafter": args.drafter, "ngram": args.ngram, "prompts": args.prompts,
-        "engine": "fast" if isinstance(engine, FastEngine) else "reference",
+        "engine": engine_kind(engine),
         **result, **_environment(target, args),
     }
     if args.json:
@@ -133,7 +133,7 @@ def run(args) -> int:
         print(f"skipped {result['skipped_prompts']} prompts that do not fit the engine's context of "
               f"{engine.max_len} tokens with --max-new-tokens {args.max_new_tokens}"
               + (" (the fast path's cache; --reference decodes with the target's whole context)"
-                 if isinstance(engine, FastEngine) else ""), file=sys.stderr)
+                 if result["engine"] == "fast" else ""), file=sys.stderr)
     what = f"drafter {args.drafter}" if args.drafter else f"n-gram lookup (n<={args.ngram})"
     shape = f"tree depth {engine.tree.depth}" if engine.tree else f"k={engine.k}"
     sampling = "greedy" if args.temperature <= 0 else f"T={args.temperature}"

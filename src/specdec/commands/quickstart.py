@@ -87,7 +87,7 @@ def run(args) -> int:
     from ..data.datasets import load_conversations, short_first_turns
     from ..data.regenerate import RegenConfig, regenerate_local
     from ..diagnose.theory import best_k, cost_ratio_from_speedup
-    from ..engine.fast import FastEngine, make_engine
+    from ..engine.fast import engine_kind, make_engine
     from ..engine.tree import TreeConfig
     from ..evaluate import evaluate
     from ..models.formats import load_drafter
@@ -200,7 +200,7 @@ def run(args) -> int:
         "per_position_acceptance": result["per_position_acceptance"],
         "tokens_per_s": result["tokens_per_s"], "plain_tokens_per_s": result.get("plain_tokens_per_s"),
         "speedup": result.get("speedup"), "best_k": best, "tree": tree, "device": str(target.device),
-        "dtype": dtype_name(target.dtype), "engine": "fast" if isinstance(engine, FastEngine) else "reference",
+        "dtype": dtype_name(target.dtype), "engine": engine_kind(engine),
         "questions": result["num_prompts"], "questions_skipped": result.get("skipped_prompts", 0),
         "seconds": {k: round(v, 1) for k, v in timings.items()},
     }

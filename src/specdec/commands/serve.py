@@ -126,7 +126,7 @@ def run(args) -> int:
     import uvicorn
 
     from specdec.engine.api import SamplingParams
-    from specdec.engine.fast import FastEngine
+    from specdec.engine.fast import engine_kind
     from specdec.server.app import ServeSettings, create_app
 
     print(f"specdec serve: loading {args.target}" + (f" + drafter {args.drafter}" if args.drafter else ""),
@@ -140,7 +140,7 @@ def run(args) -> int:
         )
     if target.tokenizer is None:
         raise SpecdecError(f"{args.target} has no tokenizer; expected tokenizer files next to the weights")
-    if isinstance(engine, FastEngine):
+    if engine_kind(engine) == "fast":
         # Every step size compiled (and on a GPU captured) now, in this thread, not on a request's time.
         print("specdec serve: compiling the fast path's steps (--reference skips this)", file=sys.stderr, flush=True)
         engine.warmup()
@@ -165,7 +165,7 @@ def run(args) -> int:
                 pass
             print(banner(host=args.host, port=port, model=name, mode=engine.mode, k=shown_k,
                          max_model_len=max_len, api_key=bool(settings.api_key),
-                         engine="fast" if isinstance(engine, FastEngine) else "reference"), flush=True)
+                         engine=engine_kind(engine)), flush=True)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             access_log=args.access_log, timeout_graceful_shutdown=5)

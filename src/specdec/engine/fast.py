@@ -723,6 +723,11 @@ def cpu_fast_path_blocker(target: Target) -> str | None:
     return None
 
 
+def engine_kind(engine) -> str:
+    """"fast" or "reference": the name every command's output uses for the engine that ran."""
+    return "fast" if isinstance(engine, FastEngine) else "reference"
+
+
 def make_engine(target: Target, *, fast: bool | None = None, **kwargs) -> SpeculativeEngine:
     """The fast engine when the target is a supported architecture on a CUDA GPU, or in bf16 on a
     CPU (compiled, see `cpu_fast_path_blocker`), else the reference engine (`fast=True` makes a

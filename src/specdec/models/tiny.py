@@ -83,6 +83,7 @@ def make_tiny_target(arch: str, out_dir: str | Path, seed: int = 0, num_layers: 
     """Build a random `arch` model with the byte tokenizer and save it as an HF folder."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHS}")
@@ -92,6 +93,9 @@ def make_tiny_target(arch: str, out_dir: str | Path, seed: int = 0, num_layers: 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, num_layers=num_layers))
     model.generation_config.eos_token_id = 258
+    # A test model is built on first use inside other commands; transformers' "Writing model
+    # shards" bar would land in their stderr (one-line errors, --json output).
+    hf_logging.disable_progress_bar()
     model.save_pretrained(out_dir)
     byte_tokenizer().save_pretrained(out_dir)
     return out_dir

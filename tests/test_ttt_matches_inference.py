@@ -118,3 +118,36 @@ def test_accuracy_counts_tokens_outside_the_draft_vocab_as_misses(tiny_targets):
         missing = sum(int(mask[t + 2]) and not bool(drafter.t2d[full_argmax[t + 1]]) for t in range(n - 2))
         counts.append(missing)
     assert counts[0] > 0 and counts[1] == 0  # the first vocab really leaves assistant tokens out
+
+
+def test_feature_loss_pulls_toward_the_state_the_target_reads_next(tiny_targets):
+    """The feature loss at index t compares what the drafter computes there at inference (token t+1
+    after the target's states at t) with the target's normed final state at t+1, the vector its
+    lm_head turns into the distribution the drafter is scored against."""
+    from specdec.train.ttt import Batch, TargetHead, ttt_loss
+
+    target = tiny_targets["llama"]
+    head = TargetHead.from_target(target)
+    g = torch.Generator().manual_seed(5)
+    n = 30
+    ids = torch.randint(3, target.vocab_size, (n,), generator=g)
+    with torch.no_grad():
+        out = target.forward(ids[None], capture=True)
+    mask = (torch.rand(n, generator=g) < 0.7).to(torch.uint8)
+    batch = Batch.collate([{"input_ids": ids.int(), "loss_mask": mask, "aux_hidden": out.aux_hidden[0],
+                            "last_hidden": out.last_hidden[0]}], "cpu")
+    drafter = random_drafter(target, seed=4, norm_output=True, norm_before_residual=False)
+    with torch.no_grad():
+        # The inference path: index t reads the token at t + 1 and the target's states at t.
+        normed, _ = drafter(ids[None, 1:], out.aux_hidden[:, :-1], torch.arange(n - 1)[None])
+        want = head.normed(out.last_hidden[0, 1:])
+        err = (normed[0].float() - want).pow(2).sum(-1) / want.pow(2).sum(-1)
+        scored = mask[2:].bool()  # index t is scored when the token at t + 2 is an assistant token
+        expected = err[: n - 2][scored].mean()
+        w = 0.7
+        diff1 = ttt_loss(drafter, batch, head, steps=1, feature_weight=w).loss - ttt_loss(drafter, batch, head,
+                                                                                        steps=1).loss
+        diff2 = ttt_loss(drafter, batch, head, steps=2, feature_weight=w).loss - ttt_loss(drafter, batch, head,
+                                                                                        steps=2).loss
+    torch.testing.assert_close(diff1, w * expected, rtol=1e-4, atol=1e-5)
+    assert diff2 > diff1 + 1e-3  # later steps add their own feature terms

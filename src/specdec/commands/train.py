@@ -41,6 +41,9 @@ def register(subparsers) -> None:
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per optimizer step (default: 8192)")
     p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll (default: 7)")
     p.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight decay per step (default: 0.8)")
+    p.add_argument("--feature-loss", type=float, default=0.0, metavar="W",
+                   help="also regress the drafter's normed output onto the target's final state, weight W "
+                        "(EAGLE-1's feature loss; helps small datasets; default: 0, EAGLE-3's CE only)")
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--init", metavar="DIR", help="start from this drafter (its vocab mapping is kept)")
     p.add_argument("--rebuild-vocab", action="store_true", help="with --init: rebuild d2t from this data")
@@ -111,7 +114,8 @@ def run(args) -> int:
     cfg = TrainConfig(out=args.output, epochs=args.epochs, lr=args.lr, warmup=args.warmup, grad_clip=args.grad_clip,
                       weight_decay=args.weight_decay,
                       batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, ttt_decay=args.ttt_decay,
-                      draft_vocab_size=args.draft_vocab_size, eval_percent=args.eval_percent,
+                      feature_loss=args.feature_loss, draft_vocab_size=args.draft_vocab_size,
+                      eval_percent=args.eval_percent,
                       eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
                       max_steps=args.max_steps, rebuild_vocab=args.rebuild_vocab,
                       norm_before_residual=args.norm_before_residual, intermediate_size=args.intermediate_size,

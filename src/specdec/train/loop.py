@@ -43,6 +43,7 @@ class TrainConfig:
     batch_tokens: int = 8192
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    feature_loss: float = 0.0  # weight of the feature loss (train/ttt.py); 0 = EAGLE-3's CE only
     draft_vocab_size: int = 32000
     eval_percent: float = 5.0
     eval_every: int = 100
@@ -60,15 +61,16 @@ class TrainConfig:
 class DrafterTTT(nn.Module):
     """The drafter plus its TTT loss as one module, so DDP sees a plain forward."""
 
-    def __init__(self, drafter: Eagle3Drafter, head: TargetHead, steps: int, decay: float):
+    def __init__(self, drafter: Eagle3Drafter, head: TargetHead, steps: int, decay: float,
+                 feature_weight: float = 0.0):
         super().__init__()
         self.drafter = drafter
         self.head = head  # not a parameter or buffer: frozen, never synchronised
-        self.steps, self.decay = steps, decay
+        self.steps, self.decay, self.feature_weight = steps, decay, feature_weight
 
     def forward(self, input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax=None):
         out = ttt_loss(self.drafter, Batch(input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax),
-                       self.head, steps=self.steps, decay=self.decay)
+                       self.head, steps=self.steps, decay=self.decay, feature_weight=self.feature_weight)
         return out.loss, out.correct, out.step_correct, out.counted
 
 
@@ -232,7 +234,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         copy_target_embedding(drafter, target)
     drafter.to(device)
     head = TargetHead.from_target(target).to(device)
-    module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay).to(device)
+    module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay, cfg.feature_loss).to(device)
     argmax_cache = TargetArgmaxCache(source, head, device)
     wrapped = module
     if world > 1:

@@ -5,6 +5,10 @@ hidden output of step s-1 at t; it sits at position t+s and predicts the token a
 target distribution is the target model's next-token distribution from last_hidden[t+1+s],
 restricted to the draft vocab. Positions where the target's argmax falls outside the draft vocab
 carry no loss. Step s is weighted by decay**s.
+
+An optional feature loss (EAGLE-1's, off by default as in EAGLE-3) also pulls the drafter's normed
+output at t toward the target's normed final state at t+1+s, the vector the target's lm_head reads:
+a dense signal per token where the cross-entropy gives one label, which matters when data is scarce.
 """
 
 from __future__ import annotations
@@ -146,8 +150,9 @@ class TTTOutput:
 
 
 def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: int = 7,
-             decay: float = 0.8) -> TTTOutput:
-    """The TTT loss with the per-step accuracies used for the simulated acceptance length."""
+             decay: float = 0.8, feature_weight: float = 0.0) -> TTTOutput:
+    """The TTT loss with the per-step accuracies used for the simulated acceptance length.
+    `feature_weight` > 0 adds the feature loss (module docstring), relative squared error per token."""
     raw = drafter.module if hasattr(drafter, "module") else drafter
     B, L = batch.input_ids.shape
     dev = batch.input_ids.device
@@ -165,7 +170,10 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
     loss = torch.zeros((), device=dev)
     correct, step_correct = [], []
     counted = torch.zeros((), device=dev)
-    for s, logits in enumerate(ttt_unroll(raw, batch.input_ids, batch.aux_hidden, steps)):
+    if feature_weight > 0:
+        want = head.normed(batch.last_hidden)  # shape: [B, L, H]
+        want_valid = needed  # last_hidden[j-1] for assistant tokens j, as for the distribution
+    for s, (logits, out) in enumerate(ttt_unroll_states(raw, batch.input_ids, batch.aux_hidden, steps)):
         n = L - 2 - s  # indices t with a target at t + 2 + s
         if n <= 0:
             correct.append(torch.zeros((), device=dev))
@@ -180,6 +188,13 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
         logp = F.log_softmax(logits.float(), -1)
         ce = -(tgt.exp() * logp).sum(-1)  # soft cross-entropy, shape: [B, L]
         loss = loss + (decay**s) * (ce * w).sum() / denom
+        if feature_weight > 0:
+            fw = torch.zeros_like(w)
+            fw[:, :n] = want_valid[:, 1 + s : 1 + s + n].float()
+            tgt_h = torch.zeros_like(want)
+            tgt_h[:, :n] = want[:, 1 + s : 1 + s + n]
+            err = (raw.norm(out).float() - tgt_h).pow(2).sum(-1) / tgt_h.pow(2).sum(-1).clamp(min=1e-6)
+            loss = loss + feature_weight * (decay**s) * (err * fw).sum() / fw.sum().clamp(min=1.0)
         with torch.no_grad():
             right = (logits.argmax(-1) == tgt.argmax(-1)) & m
             if s == 0:
@@ -198,6 +213,12 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
 def ttt_unroll(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int):
     """Yield the draft-vocab logits [B, L, Vd] of steps 0..steps-1; index t of step s predicts the
     token at t+2+s (teacher forcing on `input_ids`, the drafter's own hidden states recycled)."""
+    for logits, _ in ttt_unroll_states(raw, input_ids, aux_hidden, steps):
+        yield logits
+
+
+def ttt_unroll_states(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int):
+    """`ttt_unroll`, yielding (logits, the layer's output before the final norm [B, L, H])."""
     B, L = input_ids.shape
     layer = raw.midlayer
     attn = layer.self_attn
@@ -219,5 +240,6 @@ def ttt_unroll(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Te
             extra_v.append(v)
         o = ttt_attention(q, k0, v0, extra_k, extra_v)  # shape: [B, nh, L, hd]
         o = attn.o_proj(o.transpose(1, 2).reshape(B, L, -1))
-        hidden, logits = raw.head(layer.finish(o, residual))  # shapes: [B, L, H], [B, L, Vd]
-        yield logits
+        out = layer.finish(o, residual)
+        hidden, logits = raw.head(out)  # shapes: [B, L, H], [B, L, Vd]
+        yield logits, out

@@ -43,3 +43,22 @@ def test_quickstart_runs_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already trained" in again.stderr
     assert (out / "regen.jsonl").read_text().splitlines() == regen  # nothing regenerated twice
+
+
+def test_cpu_without_native_bf16_gets_smaller_defaults_unless_told():
+    """fp32 CPUs run every stage ~1.7x slower; their defaults keep the run under 20 minutes, but a
+    size given on the command line always wins."""
+    import argparse
+
+    from specdec.commands.quickstart import CPU, CPU_FP32, GPU, register, settings
+
+    p = argparse.ArgumentParser()
+    register(p.add_subparsers())
+    plain = p.parse_args(["quickstart"])
+    assert settings(plain, cuda=False, fp32=False) == CPU
+    fp32 = settings(plain, cuda=False, fp32=True)
+    assert fp32["prompts"] < CPU["prompts"] and fp32["eval_prompts"] < CPU["eval_prompts"]
+    assert {k: v for k, v in fp32.items() if k not in CPU_FP32} == {k: v for k, v in CPU.items() if k not in CPU_FP32}
+    assert settings(plain, cuda=True, fp32=True) == GPU
+    told = settings(p.parse_args(["quickstart", "--prompts", "500", "--epochs", "2"]), cuda=False, fp32=True)
+    assert told["prompts"] == 500 and told["epochs"] == 2 and told["eval_prompts"] == CPU_FP32["eval_prompts"]

@@ -13,8 +13,8 @@ the best k for this drafter predicted at the draft cost the run measured;
 then the same drafter drafting an EAGLE-2 dynamic tree) ending with one JSON line. Every stage
 resumes: run the same command again after a crash.
 
-Defaults finish in 8 to 16 minutes on a 2-core CPU with native bf16 (AVX512-BF16 or AMX; about 15
-in fp32 elsewhere); with CUDA they use more data.
+Defaults finish in 8 to 16 minutes on a 2-core CPU with native bf16 (AVX512-BF16 or AMX; about 16
+in fp32 elsewhere, with 256 prompts and 6 evaluation questions); with CUDA they use more data.
 
 examples:
   specdec quickstart
@@ -23,7 +23,7 @@ examples:
 """
 
 # CPU: 2 cores, measured: 8-16 minutes where the CPU has native bf16 (shared machines at the top of
-# that range), ~15 in fp32; the bar is 20.
+# that range), ~16 in fp32 with CPU_FP32 below; the bar is 20.
 # Small batches at a higher learning rate: on the same 33K-token capture, 4 epochs at 256
 # tokens/batch and lr 3e-3 gave a held-out simulated acceptance length of 1.41 against 1.31 at
 # 1024 tokens and lr 1e-3 (benchmarks/drafter_recipes.py). Twice the prompts changed nothing
@@ -33,13 +33,25 @@ CPU = dict(prompts=320, max_new_tokens=128, epochs=6.0, draft_vocab_size=2048, t
            eval_every=200)
 # On the GPU, 4,096 tokens per batch (4x the optimizer steps of 16,384) and 20 epochs: on 640K captured
 # tokens, 20 epochs measured 1.81 on MT-Bench against 1.70 for 10 (BENCHMARKS.md).
+# A CPU without native bf16 (fp32 throughout) runs every stage ~1.7x slower: measured 21.3 minutes
+# with the CPU defaults on a 2-core AMD EPYC (regenerate 305 s, capture 93, train 522, evaluate
+# 331), so fewer prompts (the same epochs) and fewer evaluation questions there.
+CPU_FP32 = dict(prompts=256, eval_prompts=6)
 GPU = dict(prompts=4000, max_new_tokens=256, epochs=20.0, draft_vocab_size=16384, ttt_steps=7, lr=1e-3,
            eval_prompts=20, eval_max_new_tokens=256, max_length=2048, batch_tokens=4096, batch_size=256,
            eval_every=500)
 
 
 def _defaults(key: str) -> str:
-    return f"CPU {CPU[key]:g}, GPU {GPU[key]:g}"
+    fp32 = f" ({CPU_FP32[key]:g} without native bf16)" if key in CPU_FP32 else ""
+    return f"CPU {CPU[key]:g}{fp32}, GPU {GPU[key]:g}"
+
+
+def settings(args, *, cuda: bool, fp32: bool) -> dict:
+    """The run's sizes: the device's defaults, then what the command line set."""
+    d = dict(GPU) if cuda else dict(CPU, **(CPU_FP32 if fp32 else {}))
+    d.update({key: getattr(args, key) for key in d if getattr(args, key, None) is not None})
+    return d
 
 
 def register(subparsers) -> None:
@@ -97,11 +109,6 @@ def run(args) -> int:
     from ..train.loop import TrainConfig, train
 
     cuda = torch.cuda.is_available()
-    d = dict(GPU if cuda else CPU)
-    for key in d:
-        v = getattr(args, key, None)
-        if v is not None:
-            d[key] = v
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
@@ -117,6 +124,7 @@ def run(args) -> int:
     console.print(f"{args.target}: {target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size}, "
                   f"{target.device}, {target.dtype}; aux layer ids {target.aux_layer_ids} (EAGLE/vLLM convention)")
     timings["load"] = time.perf_counter() - t
+    d = settings(args, cuda=cuda, fp32=target.dtype == torch.float32)
 
     t = stage(f"2/5 regenerate {d['prompts']} ShareGPT prompts")
     convs = short_first_turns("sharegpt", args.max_prompt_chars, pool=max(4 * d["prompts"], 200))[: d["prompts"]]

@@ -87,6 +87,19 @@ def test_cached_target_argmax_gives_the_same_loss(tiny_targets):
         assert torch.equal(out.counted, fresh.counted) and torch.equal(out.correct, fresh.correct)
 
 
+def captured_sample(target, n: int, seed: int, assistant: float):
+    """Random ids run through the target as `specdec capture` would store them, a random share
+    `assistant` of them marked as assistant tokens: (ids, target output, loss mask, sample)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, target.vocab_size, (n,), generator=g)
+    with torch.no_grad():
+        out = target.forward(ids[None], capture=True)
+    mask = (torch.rand(n, generator=g) < assistant).to(torch.uint8)
+    sample = {"input_ids": ids.int(), "loss_mask": mask, "aux_hidden": out.aux_hidden[0],
+              "last_hidden": out.last_hidden[0]}
+    return ids, out, mask, sample
+
+
 def test_accuracy_counts_tokens_outside_the_draft_vocab_as_misses(tiny_targets):
     """The simulated acceptance must be what the engine would measure: every assistant token is a
     chance, and one the draft vocab cannot express is a miss, not a position left out."""
@@ -94,14 +107,8 @@ def test_accuracy_counts_tokens_outside_the_draft_vocab_as_misses(tiny_targets):
 
     target = tiny_targets["llama"]
     head = TargetHead.from_target(target)
-    g = torch.Generator().manual_seed(3)
     n = 40
-    ids = torch.randint(3, target.vocab_size, (n,), generator=g)
-    with torch.no_grad():
-        out = target.forward(ids[None], capture=True)
-    mask = (torch.rand(n, generator=g) < 0.8).to(torch.uint8)
-    sample = {"input_ids": ids.int(), "loss_mask": mask, "aux_hidden": out.aux_hidden[0],
-              "last_hidden": out.last_hidden[0]}
+    ids, out, mask, sample = captured_sample(target, n, seed=3, assistant=0.8)
     full_argmax = out.logits[0].argmax(-1)  # the target's token after each index
     drafter = random_drafter(target, seed=2, norm_output=False, norm_before_residual=False)
     counts = []  # assistant tokens the vocab cannot express
@@ -128,14 +135,9 @@ def test_feature_loss_pulls_toward_the_state_the_target_reads_next(tiny_targets)
 
     target = tiny_targets["llama"]
     head = TargetHead.from_target(target)
-    g = torch.Generator().manual_seed(5)
     n = 30
-    ids = torch.randint(3, target.vocab_size, (n,), generator=g)
-    with torch.no_grad():
-        out = target.forward(ids[None], capture=True)
-    mask = (torch.rand(n, generator=g) < 0.7).to(torch.uint8)
-    batch = Batch.collate([{"input_ids": ids.int(), "loss_mask": mask, "aux_hidden": out.aux_hidden[0],
-                            "last_hidden": out.last_hidden[0]}], "cpu")
+    ids, out, mask, sample = captured_sample(target, n, seed=5, assistant=0.7)
+    batch = Batch.collate([sample], "cpu")
     drafter = random_drafter(target, seed=4, norm_output=True, norm_before_residual=False)
     with torch.no_grad():
         # The inference path: index t reads the token at t + 1 and the target's states at t.

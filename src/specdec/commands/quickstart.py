@@ -14,7 +14,8 @@ then the same drafter drafting an EAGLE-2 dynamic tree) ending with one JSON lin
 resumes: run the same command again after a crash.
 
 Defaults finish in 8 to 16 minutes on a 2-core CPU with native bf16 (AVX512-BF16 or AMX; about 16
-in fp32 elsewhere, with 256 prompts and 6 evaluation questions); with CUDA they use more data.
+in fp32 elsewhere, with 224 prompts, 5 epochs and 6 evaluation questions); with CUDA they use more
+data.
 
 examples:
   specdec quickstart
@@ -35,8 +36,9 @@ CPU = dict(prompts=320, max_new_tokens=128, epochs=6.0, draft_vocab_size=2048, t
 # tokens, 20 epochs measured 1.81 on MT-Bench against 1.70 for 10 (BENCHMARKS.md).
 # A CPU without native bf16 (fp32 throughout) runs every stage ~1.7x slower: measured 21.3 minutes
 # with the CPU defaults on a 2-core AMD EPYC (regenerate 305 s, capture 93, train 522, evaluate
-# 331), so fewer prompts (the same epochs) and fewer evaluation questions there.
-CPU_FP32 = dict(prompts=256, eval_prompts=6)
+# 331), and 20.0 with 256 prompts and 6 questions at a slower hour of the same shared host
+# (regenerate 314, capture 99, train 515, evaluate 239). So fewer prompts, epochs and questions.
+CPU_FP32 = dict(prompts=224, epochs=5.0, eval_prompts=6)
 GPU = dict(prompts=4000, max_new_tokens=256, epochs=20.0, draft_vocab_size=16384, ttt_steps=7, lr=1e-3,
            eval_prompts=20, eval_max_new_tokens=256, max_length=2048, batch_tokens=4096, batch_size=256,
            eval_every=500)

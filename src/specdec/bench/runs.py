@@ -236,8 +236,8 @@ def run_bench(
     max_len = _round_up(longest + max_new_tokens + 8, 256)
     rows: list[Row] = []
     plain_engine = make_engine(target, fast=fast, max_len=max_len)
-    use_fast = engine_kind(plain_engine) == "fast"
-    kind = "fast" if use_fast else "reference"
+    kind = engine_kind(plain_engine)
+    use_fast = kind == "fast"
     decoder: FastDecoder | None = plain_engine.fast if use_fast else None
 
     def engine(**kw):

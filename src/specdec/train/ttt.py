@@ -171,8 +171,7 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
     correct, step_correct = [], []
     counted = torch.zeros((), device=dev)
     if feature_weight > 0:
-        want = head.normed(batch.last_hidden)  # shape: [B, L, H]
-        want_valid = needed  # last_hidden[j-1] for assistant tokens j, as for the distribution
+        want = head.normed(batch.last_hidden)  # shape: [B, L, H]; scored where `needed`, as the CE
     for s, (logits, out) in enumerate(ttt_unroll_states(raw, batch.input_ids, batch.aux_hidden, steps)):
         n = L - 2 - s  # indices t with a target at t + 2 + s
         if n <= 0:
@@ -190,7 +189,7 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
         loss = loss + (decay**s) * (ce * w).sum() / denom
         if feature_weight > 0:
             fw = torch.zeros_like(w)
-            fw[:, :n] = want_valid[:, 1 + s : 1 + s + n].float()
+            fw[:, :n] = needed[:, 1 + s : 1 + s + n].float()
             tgt_h = torch.zeros_like(want)
             tgt_h[:, :n] = want[:, 1 + s : 1 + s + n]
             err = (raw.norm(out).float() - tgt_h).pow(2).sum(-1) / tgt_h.pow(2).sum(-1).clamp(min=1e-6)

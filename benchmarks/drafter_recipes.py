@@ -38,7 +38,7 @@ from specdec.models.target import load_target
 from specdec.train.data import OfflineSource, is_heldout
 from specdec.train.loop import TrainConfig, train
 
-BASE = dict(epochs=4.0, lr=1e-3, batch_tokens=1024, ttt_steps=4, draft_vocab_size=2048)
+BASE = dict(epochs=4.0, lr=1e-3, batch_tokens=1024, ttt_steps=4, draft_vocab_size=2048, init_layer="none")
 RECIPES = {
     "base": ("d1", {}),
     "lr3e-3": ("d1", dict(lr=3e-3)),
@@ -49,7 +49,7 @@ RECIPES = {
     "x3data-lr3e-3-bt256": ("d3", dict(lr=3e-3, batch_tokens=256)),
     "orig-lr3e-3-bt256": ("d1orig", dict(lr=3e-3, batch_tokens=256, epochs=2.0)),
 }
-CPU = dict(lr=3e-3, batch_tokens=256, epochs=6.0, ttt_steps=4)  # the quickstart's CPU defaults
+CPU = dict(lr=3e-3, batch_tokens=256, epochs=6.0, ttt_steps=4, init_layer="none")  # the CPU defaults until init_layer
 RECIPES.update({
     "cpu": ("d1", CPU),
     "cpu-alltok": ("d1", dict(CPU, alltok=True)),
@@ -58,6 +58,11 @@ RECIPES.update({
     "cpu-orig-ep2": ("d1orig", dict(CPU, epochs=2.0)),
     "cpu-orig-alltok-ep2": ("d1orig", dict(CPU, epochs=2.0, alltok=True)),
     "cpu-ep12": ("d1", dict(CPU, epochs=12.0)),
+    # The drafter's layer started as a target decoder layer (train --init-layer): -3 reads exactly
+    # the top aux state (the input of layer L-3), -1 is the last layer.
+    "cpu-init-3": ("d1", dict(CPU, init_layer=-3)),
+    "cpu-init-1": ("d1", dict(CPU, init_layer=-1)),
+    "cpu-init-3-copy": ("d1", dict(CPU, init_layer=-3, init_embed_half="copy")),
 })
 
 
@@ -93,11 +98,13 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     target = load_target(args.target, dtype="fp32")  # the CPU's numerics
 
+    needed = {RECIPES[name][0] for name in args.recipes.split(",")}
     short = short_first_turns("sharegpt", 600, pool=20 * args.prompts)
+    n_regen = 3 * args.prompts if "d3" in needed else args.prompts
     t = time.perf_counter()
-    regenerate_local(target, short[: 3 * args.prompts], work / "regen3.jsonl",
-                     RegenConfig(max_new_tokens=128, single_turn=True), batch_size=3 * args.prompts, progress=False)
-    print(f"regenerate {3 * args.prompts}: {time.perf_counter() - t:.1f}s", flush=True)
+    regenerate_local(target, short[:n_regen], work / "regen3.jsonl",
+                     RegenConfig(max_new_tokens=128, single_turn=True), batch_size=n_regen, progress=False)
+    print(f"regenerate {n_regen}: {time.perf_counter() - t:.1f}s", flush=True)
     regen = load_records(str(work / "regen3.jsonl"))
     first = {c.id for c in short[: args.prompts]}
     d1 = [r for r in regen if r["id"] in first]
@@ -106,6 +113,8 @@ def main() -> None:
     sets = {"d1": d1, "d3": regen, "d1orig": d1 + orig[: args.originals]}
     stores = {}
     for name, recs in sets.items():
+        if name not in needed:
+            continue
         t = time.perf_counter()
         run_capture(target, recs, work / f"cap-{name}", max_length=384, progress=False, log=lambda m: None)
         stores[name] = CaptureStore(work / f"cap-{name}")

@@ -21,6 +21,10 @@
 #                                    # Python stacks dumped if it runs past 240 s
 #   bash benchmarks/gpu_train.sh s   # `specdec eval` and `specdec serve` on the CUDA fast path (tiny random Llama, no weights)
 #   bash benchmarks/gpu_train.sh n   # (after l or m) where the CPU quickstart's minutes go best: epochs, data, prompt tokens
+#   bash benchmarks/gpu_train.sh t   # stage the first GGUF half; the 8B step's kernel profile and a Triton GEMV
+#                                    # against cuBLAS; then s and q (carry .whl for uvicorn and fastapi)
+#   bash benchmarks/gpu_train.sh u   # (after t) second half; CPU-size recipes with the drafter's layer started
+#                                    # from a target layer (train --init-layer) against the quickstart's defaults
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
 #
@@ -230,6 +234,17 @@ case "$1" in
     done
     curl -s http://127.0.0.1:8321/metrics | grep "^vllm:spec_decode_num_\(drafts\|accepted_tokens\)_total"
     kill %1
+    ;;
+  t)
+    stage_first_half
+    bash "$0" s
+    timeout 260 python3 benchmarks/profile_8b.py --out "$OUT" 2>&1 | grep -v Warning | tail -12
+    bash "$0" q
+    ;;
+  u)
+    [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2
+    timeout 560 python3 benchmarks/drafter_recipes.py --out "$OUT" --budget-s 440 --prompts 320 --eval-prompts 20 \
+      --recipes cpu,cpu-init-3,cpu-init-1,cpu-init-3-copy 2>&1 | grep -v Warning | tee "$OUT/drafter_recipes_init.log"
     ;;
   n)
     [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2

@@ -153,3 +153,45 @@ def test_feature_loss_pulls_toward_the_state_the_target_reads_next(tiny_targets)
                                                                                         steps=2).loss
     torch.testing.assert_close(diff1, w * expected, rtol=1e-4, atol=1e-5)
     assert diff2 > diff1 + 1e-3  # later steps add their own feature terms
+
+
+def test_init_layer_starts_the_drafter_as_the_target_layer_after_the_top_aux_state(tiny_targets):
+    """`train --init-layer`: with the top aux state passed through fc and the token columns at zero,
+    the drafter's layer is the target's layer c = aux_layer_ids[-1] applied to its own input, so
+    its output at every index is the state the target hands to layer c + 1."""
+    from specdec.train.loop import init_layer_from_target
+
+    target = tiny_targets["llama"]
+    saved = target.aux_layer_ids
+    target.set_aux_layer_ids([0, 1, 2])  # the top one below the last layer, as in real targets
+    try:
+        c = target.aux_layer_ids[-1]
+        drafter = random_drafter(target, seed=6, norm_output=False, norm_before_residual=False)
+        init_layer_from_target(drafter, target, c)
+        n = 24
+        ids, out, _, _ = captured_sample(target, n, seed=7, assistant=1.0)
+    finally:
+        target.set_aux_layer_ids(saved)
+    with torch.no_grad():
+        states = target.model(ids[None], output_hidden_states=True).hidden_states  # [k] = input of layer k
+        h, _ = drafter(ids[None, 1:], out.aux_hidden[:, :-1], torch.arange(n - 1)[None])
+    torch.testing.assert_close(h[0], states[c + 1][0, :-1], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(states[c + 1], states[c], atol=1e-2)  # the layer does change the state
+
+
+def test_init_layer_auto_copies_what_fits_and_says_what_it_left_random(tiny_targets):
+    from specdec.train.loop import start_layer
+
+    target = tiny_targets["llama"]
+    cfg = DrafterConfig.for_target(target.config, draft_vocab_size=128, aux_layer_ids=target.aux_layer_ids,
+                                   intermediate_size=8)  # narrower than the target's MLP
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg)
+    mlp_before = {k: v.clone() for k, v in drafter.midlayer.mlp.state_dict().items()}
+    said = start_layer(drafter, target, "auto")
+    src = target.layers[min(target.aux_layer_ids[-1], target.num_layers - 1)]
+    h = cfg.hidden_size
+    assert torch.equal(drafter.midlayer.self_attn.q_proj.weight[:, h:], src.self_attn.q_proj.weight)
+    assert "MLP" in said and "random" in said
+    assert all(torch.equal(v, mlp_before[k]) for k, v in drafter.midlayer.mlp.state_dict().items())
+    assert start_layer(Eagle3Drafter(cfg), target, "none") == "random"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import SpecdecError
+
 DESCRIPTION = """\
 Train an EAGLE-3 drafter on a capture directory (offline) or straight from regenerated
 conversations (--online: the target runs inside the loop, nothing goes to disk). Training-time
@@ -45,6 +47,10 @@ def register(subparsers) -> None:
                    help="also regress the drafter's normed output onto the target's final state, weight W "
                         "(EAGLE-1's feature loss; helps small datasets; default: 0, EAGLE-3's CE only)")
     p.add_argument("--draft-vocab-size", type=int, default=32000)
+    p.add_argument("--init-layer", default="auto", metavar="auto|none|N",
+                   help="start the drafter's layer as a target decoder layer: auto = the one that reads the "
+                        "top aux state (random where the shapes differ), none = random, N = layer N "
+                        "(default: auto)")
     p.add_argument("--init", metavar="DIR", help="start from this drafter (its vocab mapping is kept)")
     p.add_argument("--rebuild-vocab", action="store_true", help="with --init: rebuild d2t from this data")
     p.add_argument("--norm-before-residual", action="store_true", help="residual = normed fc output (vLLM flag)")
@@ -69,7 +75,6 @@ def register(subparsers) -> None:
 def load_source(args, target):
     """The sample source for `args`: a capture directory, or conversations captured online."""
     from ..capture.store import CaptureStore
-    from ..errors import SpecdecError
     from ..train.data import OfflineSource, OnlineSource
 
     if not args.online:
@@ -97,6 +102,15 @@ def load_source(args, target):
                         args.max_length)
 
 
+def parse_init_layer(value: str) -> str | int:
+    if value in ("auto", "none"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise SpecdecError(f"--init-layer: expected auto, none or a layer index, got {value!r}") from None
+
+
 def run(args) -> int:
     import json
     import os
@@ -119,6 +133,7 @@ def run(args) -> int:
                       eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
                       max_steps=args.max_steps, rebuild_vocab=args.rebuild_vocab,
                       norm_before_residual=args.norm_before_residual, intermediate_size=args.intermediate_size,
+                      init_layer=parse_init_layer(args.init_layer),
                       bf16=None if args.dtype == "auto" else args.dtype == "bf16")
     summary = train(target, source, cfg, init=args.init, resume=args.resume, target_name=str(args.target))
     if int(os.environ.get("RANK", 0)) == 0:

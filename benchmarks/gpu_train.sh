@@ -25,6 +25,8 @@
 #                                    # against cuBLAS; then s and q (carry .whl for uvicorn and fastapi)
 #   bash benchmarks/gpu_train.sh u   # (after t) second half; CPU-size recipes with the drafter's layer started
 #                                    # from a target layer (train --init-layer) against the quickstart's defaults
+#   bash benchmarks/gpu_train.sh v   # the Triton GEMV (engine/gemv.py) in the fast path: 8B-shaped step against
+#                                    # cuBLAS, logits against HF, SmolLM2 shapes with and without coordinate descent
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
 #
@@ -245,6 +247,12 @@ case "$1" in
     [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2
     timeout 560 python3 benchmarks/drafter_recipes.py --out "$OUT" --budget-s 440 --prompts 320 --eval-prompts 20 \
       --recipes cpu,cpu-init-3,cpu-init-1,cpu-init-3-copy 2>&1 | grep -v Warning | tee "$OUT/drafter_recipes_init.log"
+    ;;
+  v)
+    timeout 380 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_gemv --budget-s 330 \
+      --plan "nocd:1,8;check1;default:1,2,8;check1;check" 2>&1 | grep -v "Warning\|warnings.warn" | tail -20
+    timeout 190 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_gemv --budget-s 160 \
+      --plan "cd:1,8;default:1,8;e2e" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12
     ;;
   n)
     [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2

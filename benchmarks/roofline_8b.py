@@ -8,8 +8,10 @@ two ways: every weight (16.06 GB, as DESIGN.md states the floor) and what a step
 Variants, each a separate compile (torch._dynamo.reset() between them):
     graph      no compile, the eager step captured in one CUDA graph (launch overhead gone)
     cd         inductor + coordinate_descent_tuning (matrix-vector products become tuned
-               Triton reductions), one CUDA graph          <- the default fast path
+               Triton reductions), one CUDA graph
     nocd       inductor without coordinate-descent tuning (cuBLAS GEMV for one token)
+    gemv       inductor, one-token products through engine/gemv.py's Triton kernel, unfused
+    default    nocd with gemv.py's kernels, norms and residual adds folded in <- the fast path
     autotune   mode="max-autotune-no-cudagraphs" + coordinate descent (Triton GEMM templates
                for the small-M verify matmuls)
 A --budget-s guard skips what would not finish; the JSON says what was skipped.
@@ -40,8 +42,11 @@ from specdec.engine.fast import FastDecoder, _causal  # noqa: E402
 VARIANTS = {
     "eager": dict(compile=False, cuda_graphs=False),  # CPU smoke runs (--tiny)
     "graph": dict(compile=False, cuda_graphs=True),
-    "cd": dict(compile=True, cuda_graphs=True, coordinate_descent=True),
-    "nocd": dict(compile=True, cuda_graphs=True, coordinate_descent=False),
+    "cd": dict(compile=True, cuda_graphs=True, coordinate_descent=True, gemv=False),
+    # What FastEngine picks for these weights: no coordinate descent above 2 GiB, Triton GEMV.
+    "default": dict(compile=True, cuda_graphs=True, coordinate_descent=False),
+    "nocd": dict(compile=True, cuda_graphs=True, coordinate_descent=False, gemv=False),
+    "gemv": dict(compile=True, cuda_graphs=True, coordinate_descent=False, gemv=True),
     "autotune": dict(compile=True, cuda_graphs=True, coordinate_descent=True, mode="max-autotune-no-cudagraphs"),
 }
 
@@ -106,6 +111,9 @@ def main() -> int:
             if name == "hf":
                 res["hf_eager_ms"] = hf_decode_ms(model, prompt_len=args.ctx, steps=12)
                 print(f"HF eager {res['hf_eager_ms']:.2f} ms/token", flush=True)
+            elif name == "check1":  # one token: the matrix-vector products of the current variant
+                res.setdefault("check1", {})[current or "none"] = check_against_hf(model, dec, T=1)
+                print(name, current, res["check1"][current or "none"], flush=True)
             elif name in ("check", "check_eager"):
                 # check_eager: HF with its eager attention, whose rounding ours mirrors (bf16
                 # scores, fp32 softmax); its distance from sdpa's says how much is rounding.
@@ -116,6 +124,7 @@ def main() -> int:
                     model.config._attn_implementation = impl
                 res[name] = check_against_hf(model, dec)
                 res[name]["hf_attention"] = impl
+                res.setdefault(f"{name}_by_variant", {})[current or "none"] = res[name]
                 print(name, res[name], flush=True)
             else:
                 if current != name:

@@ -44,8 +44,11 @@ from specdec.models.target import Target, load_target  # noqa: E402
 VARIANTS = {
     "eager": dict(compile=False, cuda_graphs=False),
     "graph": dict(compile=False, cuda_graphs=True),
-    "cd": dict(compile=True, cuda_graphs=True, coordinate_descent=True),
-    "nocd": dict(compile=True, cuda_graphs=True, coordinate_descent=False),
+    "cd": dict(compile=True, cuda_graphs=True, coordinate_descent=True, gemv=False),
+    "default": dict(compile=True, cuda_graphs=True),  # what FastDecoder.optimize picks
+    "nocd": dict(compile=True, cuda_graphs=True, coordinate_descent=False, gemv=False),
+    "gemv": dict(compile=True, cuda_graphs=True, coordinate_descent=False, gemv=True),
+    "cdgemv": dict(compile=True, cuda_graphs=True, coordinate_descent=True, gemv=True),
 }
 
 
@@ -130,10 +133,10 @@ def main() -> int:
                 res["hf_eager_ms"] = hf_decode_ms(target.model, prompt_len=args.ctx, steps=24)
                 print(f"HF eager {res['hf_eager_ms']:.2f} ms/token", flush=True)
             elif name == "e2e":
-                if current not in ("cd", "eager"):
+                if current not in ("default", "eager"):
                     torch._dynamo.reset()
-                    dec.optimize(**VARIANTS["cd" if dev == "cuda" else "eager"])
-                    current = "cd" if dev == "cuda" else "eager"
+                    dec.optimize(**VARIANTS["default" if dev == "cuda" else "eager"])
+                    current = "default" if dev == "cuda" else "eager"
                 res["e2e"] = e2e(target, args.max_new_tokens, fast_kw, dec)
                 print("e2e", res["e2e"], flush=True)
             elif name == "fp32":

@@ -42,12 +42,14 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecdecError
-from ..models.cpu_products import few_row_linear as linear
+from ..models.cpu_products import few_row_linear
 from ..models.target import Target
 from .api import SamplingParams, StepOutput
 from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from .engine import SpeculativeEngine, truncate_at_stop
+from .gemv import available as gemv_available
+from .gemv import fused_one_token, gemv_linear, linear_add, rms_linear
 from .sampling import sample, target_probs
 from .tree import Draft, TreeConfig, ancestor_mask
 
@@ -129,16 +131,27 @@ class Shapes:
         )
 
 
-def make_layer_fn(s: Shapes):
+def make_layer_fn(s: Shapes, linear=few_row_linear, fuse: bool = False):
     """One decoder layer over T tokens. Every argument is a tensor (or None), so one compiled
-    graph serves all layers."""
+    graph serves all layers. `linear` is `F.linear`'s signature (gemv.gemv_linear on CUDA); with
+    `fuse`, a one-token step folds each RMSNorm and residual add into its product (gemv.py)."""
     nh, nkv, hd, g, eps = s.heads, s.kv_heads, s.head_dim, s.groups, s.eps
     scale = hd**-0.5
 
+    def norm_linear(x, ln, w, b):
+        if fuse and fused_one_token(x, w):
+            y = rms_linear(x, ln, eps, w)
+            return y if b is None else y + b
+        return linear(rms_norm(x, ln, eps), w, b)
+
+    def add_linear(residual, x, w, b):
+        if fuse and b is None and fused_one_token(x, w):
+            return linear_add(x, w, residual)
+        return residual + linear(x, w, b)
+
     def layer(x, ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd, kc, vc, cos, sin, slots, mask):
         T = x.shape[0]
-        h = rms_norm(x, ln1, eps)
-        qkv = linear(h, wqkv, bqkv)  # shape: [T, (nh + 2 nkv) hd]
+        qkv = norm_linear(x, ln1, wqkv, bqkv)  # shape: [T, (nh + 2 nkv) hd]
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
         if qn is not None:  # Qwen3: per-head RMSNorm before rope
@@ -155,10 +168,9 @@ def make_layer_fn(s: Shapes):
         att = torch.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.matmul(att, vc)  # shape: [nkv, gT, hd]
         o = o.view(nkv, g, T, hd).permute(2, 0, 1, 3).reshape(T, nh * hd)
-        x = x + linear(o, wo, bo)
-        h = rms_norm(x, ln2, eps)
-        gate, up = linear(h, wgu, bgu).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, wd, bd)
+        x = add_linear(x, o, wo, bo)
+        gate, up = norm_linear(x, ln2, wgu, bgu).chunk(2, dim=-1)
+        return add_linear(x, F.silu(gate) * up, wd, bd)
 
     return layer
 
@@ -185,11 +197,14 @@ def make_prep_fn(s: Shapes, cache_len: int):
     return prep
 
 
-def make_head_fn(s: Shapes):
+def make_head_fn(s: Shapes, linear=few_row_linear, fuse: bool = False):
     eps = s.eps
 
     def head(x, norm_w, lm_w):
-        logits = linear(rms_norm(x, norm_w, eps), lm_w)  # shape: [T, V]
+        if fuse and fused_one_token(x, lm_w):
+            logits = rms_linear(x, norm_w, eps, lm_w)
+        else:
+            logits = linear(rms_norm(x, norm_w, eps), lm_w)  # shape: [T, V]
         return logits, logits.argmax(dim=-1)
 
     return head
@@ -309,6 +324,7 @@ class FastDecoder:
         self._prep = make_prep_fn(s, self.cache_len)
         self._head = make_head_fn(s)
         self.use_graphs = False
+        self.gemv = False
         self.compiled = False
         self.compile_seconds = 0.0
         self._bufs: dict[tuple[int, bool], StepBuffers] = {}
@@ -316,20 +332,26 @@ class FastDecoder:
 
     # -- setup ---------------------------------------------------------------------------
     def optimize(self, *, compile: bool = True, cuda_graphs: bool = True, mode: str | None = None,
-                 coordinate_descent: bool = True) -> "FastDecoder":
+                 coordinate_descent: bool = True, gemv: bool | None = None) -> "FastDecoder":
         """Compile the step functions with inductor (`mode` is torch.compile's; the default fuses
         without autotuning matmuls) and capture each step as a CUDA graph on first use.
 
         `coordinate_descent` sets inductor's coordinate_descent_tuning, which also turns every
         matrix-vector product (one token) into a tuned Triton reduction instead of a cuBLAS GEMV.
-        Graphs captured before are dropped."""
+        `gemv` routes one-token products through gemv.py's Triton kernels instead, each RMSNorm and
+        residual add folded into its product (None: wherever Triton runs, i.e. on CUDA). Graphs
+        captured before are dropped."""
         if self.device.type != "cuda" and cuda_graphs:
             raise SpecdecError("CUDA graphs need a CUDA device; found " + str(self.device))
+        if gemv is None:
+            gemv = self.device.type == "cuda" and gemv_available()
+        self.gemv = gemv
+        linear = gemv_linear if gemv else few_row_linear
         self._bufs.clear()
         self._compact.clear()
-        self._layer = make_layer_fn(self.shapes)
+        self._layer = make_layer_fn(self.shapes, linear, fuse=gemv)
         self._prep = make_prep_fn(self.shapes, self.cache_len)
-        self._head = make_head_fn(self.shapes)
+        self._head = make_head_fn(self.shapes, linear, fuse=gemv)
         if compile:
             import torch._inductor.config as ic
 

@@ -1,0 +1,126 @@
+"""Batch-1 matrix-vector products on CUDA as Triton kernels, for the fast path's one-token steps.
+
+At one token a decode step is a chain of `weight @ x` products, and its speed is how fast they
+stream their weights from HBM. On an H200 (torch 2.11, benchmarks/profile_8b.py) cuBLAS's GEMV
+reads Llama-3.1-8B's matrices at 2.7-4.2 TB/s, this kernel at 3.3-4.5 TB/s (the measured copy
+bandwidth is 4.3): the square 4096 x 4096 o_proj gains most (2.71 -> 3.28 TB/s), the wide ones
+3-5%. Each program streams BLOCK_N whole rows in BLOCK_K chunks, accumulates in fp32 and reduces
+once: no split-K, so no second kernel and no atomics. The block sizes are autotuned per shape on
+first use (which happens in the fast path's warm-up, before a CUDA graph captures the step).
+
+Two variants fold the small kernels around a product into it, since at one token each costs
+a launch and a gap in the graph for microseconds of work:
+    gemv_rms(x, g, w, eps) = w @ rms_norm(x, g)  the sum of squares rides along the same loop,
+                                                 the 1/rms scale is applied once at the end
+    gemv_add(x, w, r)      = r + w @ x           the residual add at the store
+Verifying 2..16 tokens stays on cuBLAS: a Triton few-rows kernel (tensor-core tiles, rows padded
+to 16) was slower on the H200 at every size (4.99 against 4.86 ms at 2 tokens on 8B shapes).
+
+Registered with `torch.library.triton_op`, so torch.compile traces through them and the kernels
+land inside the compiled step and its CUDA graph. Without Triton or CUDA, `gemv_linear` is
+`few_row_linear` (the CPU path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.cpu_products import few_row_linear
+
+try:  # Triton comes with CUDA builds of torch; CPU-only installs have none
+    import triton
+    import triton.language as tl
+    from torch.library import triton_op, wrap_triton
+except ImportError:  # pragma: no cover - exercised on CPU-only installs
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+if triton is not None:
+
+    @triton.autotune(
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=8, num_stages=1)
+                 for bn in (2, 4, 8, 16) for bk in (512, 1024)],
+        key=["N", "K"],
+    )
+    @triton.jit
+    def _gemv_kernel(W, X, Y, G, R, N, eps, K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            keep = cols < K
+            w = tl.load(W + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < N) & keep[None, :], other=0.0)
+            x = tl.load(X + cols, mask=keep, other=0.0).to(tl.float32)
+            if NORM:
+                squares += x * x
+                x = x * tl.load(G + cols, mask=keep, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)
+        if NORM:
+            y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+        if RESIDUAL:
+            y += tl.load(R + rows, mask=rows < N, other=0.0).to(tl.float32)
+        tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
+
+    def _launch(x, w, g, r, eps: float, norm: bool, residual: bool) -> torch.Tensor:
+        n, k = w.shape
+        y = torch.empty(1, n, device=x.device, dtype=x.dtype)
+
+        def grid(meta):
+            return (triton.cdiv(n, meta["BLOCK_N"]),)
+
+        wrap_triton(_gemv_kernel)[grid](w, x, y, g, r, n, eps, k, NORM=norm, RESIDUAL=residual)
+        return y
+
+    @triton_op("specdec::gemv", mutates_args={})
+    def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """`w @ x` for x of K elements and a contiguous w [N, K]; returns [1, N]."""
+        return _launch(x, w, x, x, 0.0, False, False)
+
+    @triton_op("specdec::gemv_rms", mutates_args={})
+    def gemv_rms(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """`w @ (x / rms(x) * g)`; returns [1, N]."""
+        return _launch(x, w, g, x, eps, True, False)
+
+    @triton_op("specdec::gemv_add", mutates_args={})
+    def gemv_add(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """`r + w @ x` for a residual r of N elements; returns [1, N]."""
+        return _launch(x, w, x, r, 0.0, False, True)
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One bf16/fp16 row on CUDA, a contiguous weight of its dtype: the kernels' case."""
+    return (triton is not None and x.device.type == "cuda" and x.numel() == x.shape[-1]
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
+
+
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: one bf16/fp16 row on CUDA through the Triton GEMV, the rest
+    through `few_row_linear`. The tests are on shapes, dtype and device, so under torch.compile
+    they resolve while tracing."""
+    if not _fits(x, weight):
+        return few_row_linear(x, weight, bias)
+    y = gemv(x.reshape(-1).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
+def fused_one_token(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gemv_rms` / `gemv_add` apply (the decoder layer asks while tracing)."""
+    return _fits(x, weight)
+
+
+def rms_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(rms_norm(x, g, eps), weight)` in one kernel (call only where `fused_one_token`)."""
+    return gemv_rms(x.reshape(-1).contiguous(), g, weight, eps).view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """`residual + F.linear(x, weight)` in one kernel (call only where `fused_one_token`)."""
+    out = gemv_add(x.reshape(-1).contiguous(), weight, residual.reshape(-1).contiguous())
+    return out.view(*x.shape[:-1], weight.shape[0])

@@ -47,13 +47,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--drafter", help="an EAGLE-3 drafter folder for SmolLM2: also time chains of --k drafts")
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--max-len", type=int, default=512,
+                    help="the fast decoder's static cache (every step attends all of it; eval and serve "
+                         "size it to the model, up to 2048)")
     args = ap.parse_args()
     target = load_target("smollm2-135m-instruct", device="cpu", dtype=args.dtype)
     convs = load_conversations("mt-bench", limit=3, seed=0)
     prompts = [prompt_ids(target.tokenizer, first_turn(c.messages if hasattr(c, "messages") else c))
                for c in convs]
     ref = tok_s("reference engine", SpeculativeEngine(target), prompts)
-    fast = FastEngine(target, require_cuda=False, max_len=512)
+    fast = FastEngine(target, require_cuda=False, max_len=args.max_len)
     eager = tok_s("fast decoder, eager", fast, prompts)
     fast.fast.optimize(compile=True, cuda_graphs=False, coordinate_descent=False)
     compiled = tok_s("fast decoder, compiled", fast, prompts)
@@ -63,7 +66,7 @@ def main() -> None:
     drafter = load_drafter(args.drafter, target, dtype=target.dtype)
     k = args.k
     tok_s(f"reference, EAGLE-3 k={k}", SpeculativeEngine(target, drafter=drafter, k=k), prompts)
-    chain = dict(require_cuda=False, max_len=512, decoder=fast.fast, drafter=drafter, k=k)
+    chain = dict(require_cuda=False, max_len=args.max_len, decoder=fast.fast, drafter=drafter, k=k)
     a = tok_s(f"compiled, EAGLE-3 k={k}, eager", FastEngine(target, static_drafter=False, **chain), prompts)
     static = FastEngine(target, static_drafter=True, **chain)
     static.static = StaticChainDrafter(drafter, k=k, max_len=static.max_len, cuda_graphs=False, compile=True)

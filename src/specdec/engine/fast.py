@@ -723,8 +723,10 @@ def _tree_mask(parents: list[int], T: int) -> np.ndarray:
 # 2-core AMD EPYC with AVX512-BF16 (`specdec bench`, SmolLM2-135M-Instruct in bf16, the
 # GPU-trained drafter; BENCHMARKS.md "The CPU fast path"): plain 22.6 tok/s against 15.5 for the
 # reference engine, EAGLE-3 k = 3 31.7 against 22.0. Compiling takes 5-20 s per step size, which
-# a model of a few million parameters never earns back. bf16 only: fp32 was measured once, by
-# benchmarks/cpu_fast_path.py (faster than the reference engine there too), not through a bench.
+# a model of a few million parameters never earns back. bf16 only: in fp32 the compiled step gains
+# only with a short static cache (benchmarks/cpu_fast_path.py, 2-core AMD EPYC: 13.5 against 9.8
+# tok/s at max_len 512, 10.9 against 10.8 at 2048, which eval uses), and the quickstart's
+# evaluation on it took 304 s against 202 on the reference engine (compiles included).
 CPU_FAST_MIN_PARAMS = 50_000_000
 
 

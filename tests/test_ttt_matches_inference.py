@@ -195,3 +195,18 @@ def test_init_layer_auto_copies_what_fits_and_says_what_it_left_random(tiny_targ
     assert "MLP" in said and "random" in said
     assert all(torch.equal(v, mlp_before[k]) for k, v in drafter.midlayer.mlp.state_dict().items())
     assert start_layer(Eagle3Drafter(cfg), target, "none") == "random"
+
+
+def test_init_layer_auto_leaves_an_mla_target_s_drafter_untouched(tiny_targets):
+    """DeepSeek-V3's MLA attention has no q_proj of the drafter's shape: auto keeps the random
+    layer, says why, and writes nothing (a half-copied layer would be worse than either)."""
+    from specdec.train.loop import start_layer
+
+    target = tiny_targets["deepseek_v3"]
+    cfg = DrafterConfig.for_target(target.config, draft_vocab_size=128, aux_layer_ids=target.aux_layer_ids)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg)
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    said = start_layer(drafter, target, "auto")
+    assert said.startswith("random (") and "does not fit" in said
+    assert all(torch.equal(v, before[k]) for k, v in drafter.state_dict().items())

@@ -48,9 +48,9 @@ def register(subparsers) -> None:
                         "(EAGLE-1's feature loss; helps small datasets; default: 0, EAGLE-3's CE only)")
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--init-layer", default="auto", metavar="auto|none|N",
-                   help="start the drafter's layer as a target decoder layer: auto = the one that reads the "
-                        "top aux state (random where the shapes differ), none = random, N = layer N "
-                        "(default: auto)")
+                   help="start a new drafter's layer as a target decoder layer: auto = the one that reads "
+                        "the top aux state (random where the shapes differ), none = random, N = layer N "
+                        "(default: auto; --init keeps its drafter's weights)")
     p.add_argument("--init", metavar="DIR", help="start from this drafter (its vocab mapping is kept)")
     p.add_argument("--rebuild-vocab", action="store_true", help="with --init: rebuild d2t from this data")
     p.add_argument("--norm-before-residual", action="store_true", help="residual = normed fc output (vLLM flag)")

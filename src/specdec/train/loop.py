@@ -183,14 +183,22 @@ def init_layer_from_target(drafter: Eagle3Drafter, target, index: int, embed_hal
             found = "missing" if w is None else tuple(w.shape)
             raise SpecdecError(f"{name} of target layer {index} is {found}; the drafter needs {tuple(want)}")
         weights[name] = w.float().cpu()
+    norms = {}
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        w = getattr(getattr(src, name, None), "weight", None)
+        if w is None or tuple(w.shape) != (h,):
+            raise SpecdecError(f"{name} of target layer {index} is {'missing' if w is None else tuple(w.shape)}; "
+                               f"the drafter needs ({h},)")
+        norms[name] = w.float().cpu()
+    # Everything checked: from here on the drafter is written.
     for name in ("q_proj", "k_proj", "v_proj"):
         dst = getattr(attn, name).weight
         dst[:, h:] = weights[name]
         dst[:, :h] = weights[name] if embed_half == "copy" else 0.0
     attn.o_proj.weight.copy_(weights["o_proj"])
     for norm in (mid.hidden_norm, mid.input_layernorm):
-        norm.weight.copy_(src.input_layernorm.weight.float().cpu())
-    mid.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight.float().cpu())
+        norm.weight.copy_(norms["input_layernorm"])
+    mid.post_attention_layernorm.weight.copy_(norms["post_attention_layernorm"])
     drafter.fc.weight.zero_()
     drafter.fc.weight[:, -tH:] = torch.eye(h, tH)  # aux states come in canonical (ascending) order
     theirs, ours = getattr(src, "mlp", nn.Module()).state_dict(), mid.mlp.state_dict()

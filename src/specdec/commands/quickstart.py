@@ -24,7 +24,7 @@ examples:
 """
 
 # CPU: 2 cores, measured: 8-16 minutes where the CPU has native bf16 (shared machines at the top of
-# that range), ~16 in fp32 with CPU_FP32 below; the bar is 20.
+# that range), 16-19 in fp32 with CPU_FP32 below (a shared host's hours vary ~30%); the bar is 20.
 # Small batches at a higher learning rate: on the same 33K-token capture, 4 epochs at 256
 # tokens/batch and lr 3e-3 gave a held-out simulated acceptance length of 1.41 against 1.31 at
 # 1024 tokens and lr 1e-3 (benchmarks/drafter_recipes.py). Twice the prompts changed nothing

@@ -13,6 +13,9 @@ a launch and a gap in the graph for microseconds of work:
     gemv_rms(x, g, w, eps) = w @ rms_norm(x, g)  the sum of squares rides along the same loop,
                                                  the 1/rms scale is applied once at the end
     gemv_add(x, w, r)      = r + w @ x           the residual add at the store
+Both stay in fp32 up to the one rounding of the output, where HF rounds the normed x and the
+product to bf16 on the way: the logits differ by that rounding (relative error against HF's
+forward 0.037, cuBLAS's path 0.040, on Llama-3.1-8B shapes with random weights).
 Verifying 2..16 tokens stays on cuBLAS: a Triton few-rows kernel (tensor-core tiles, rows padded
 to 16) was slower on the H200 at every size (4.99 against 4.86 ms at 2 tokens on 8B shapes).
 

@@ -49,7 +49,7 @@ RECIPES = {
     "x3data-lr3e-3-bt256": ("d3", dict(lr=3e-3, batch_tokens=256)),
     "orig-lr3e-3-bt256": ("d1orig", dict(lr=3e-3, batch_tokens=256, epochs=2.0)),
 }
-CPU = dict(lr=3e-3, batch_tokens=256, epochs=6.0, ttt_steps=4, init_layer="none")  # the CPU defaults until init_layer
+CPU = dict(lr=3e-3, batch_tokens=256, epochs=6.0, ttt_steps=4)  # the quickstart's CPU defaults (layer: BASE's)
 RECIPES.update({
     "cpu": ("d1", CPU),
     "cpu-alltok": ("d1", dict(CPU, alltok=True)),

@@ -131,21 +131,22 @@ class Shapes:
         )
 
 
-def make_layer_fn(s: Shapes, linear=few_row_linear, fuse: bool = False):
+def make_layer_fn(s: Shapes, gemv: bool = False):
     """One decoder layer over T tokens. Every argument is a tensor (or None), so one compiled
-    graph serves all layers. `linear` is `F.linear`'s signature (gemv.gemv_linear on CUDA); with
-    `fuse`, a one-token step folds each RMSNorm and residual add into its product (gemv.py)."""
+    graph serves all layers. With `gemv`, a one-token step runs gemv.py's Triton kernels, each
+    RMSNorm and residual add folded into its product."""
     nh, nkv, hd, g, eps = s.heads, s.kv_heads, s.head_dim, s.groups, s.eps
     scale = hd**-0.5
+    linear = gemv_linear if gemv else few_row_linear
 
     def norm_linear(x, ln, w, b):
-        if fuse and fused_one_token(x, w):
+        if gemv and fused_one_token(x, w):
             y = rms_linear(x, ln, eps, w)
             return y if b is None else y + b
         return linear(rms_norm(x, ln, eps), w, b)
 
     def add_linear(residual, x, w, b):
-        if fuse and b is None and fused_one_token(x, w):
+        if gemv and b is None and fused_one_token(x, w):
             return linear_add(x, w, residual)
         return residual + linear(x, w, b)
 
@@ -197,11 +198,12 @@ def make_prep_fn(s: Shapes, cache_len: int):
     return prep
 
 
-def make_head_fn(s: Shapes, linear=few_row_linear, fuse: bool = False):
+def make_head_fn(s: Shapes, gemv: bool = False):
     eps = s.eps
+    linear = gemv_linear if gemv else few_row_linear
 
     def head(x, norm_w, lm_w):
-        if fuse and fused_one_token(x, lm_w):
+        if gemv and fused_one_token(x, lm_w):
             logits = rms_linear(x, norm_w, eps, lm_w)
         else:
             logits = linear(rms_norm(x, norm_w, eps), lm_w)  # shape: [T, V]
@@ -324,7 +326,6 @@ class FastDecoder:
         self._prep = make_prep_fn(s, self.cache_len)
         self._head = make_head_fn(s)
         self.use_graphs = False
-        self.gemv = False
         self.compiled = False
         self.compile_seconds = 0.0
         self._bufs: dict[tuple[int, bool], StepBuffers] = {}
@@ -345,13 +346,11 @@ class FastDecoder:
             raise SpecdecError("CUDA graphs need a CUDA device; found " + str(self.device))
         if gemv is None:
             gemv = self.device.type == "cuda" and gemv_available()
-        self.gemv = gemv
-        linear = gemv_linear if gemv else few_row_linear
         self._bufs.clear()
         self._compact.clear()
-        self._layer = make_layer_fn(self.shapes, linear, fuse=gemv)
+        self._layer = make_layer_fn(self.shapes, gemv)
         self._prep = make_prep_fn(self.shapes, self.cache_len)
-        self._head = make_head_fn(self.shapes, linear, fuse=gemv)
+        self._head = make_head_fn(self.shapes, gemv)
         if compile:
             import torch._inductor.config as ic
 

@@ -97,25 +97,20 @@ if triton is not None:
         return _launch(x, w, x, r, 0.0, False, True)
 
 
-def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One bf16/fp16 row on CUDA, a contiguous weight of its dtype: the kernels' case."""
+def fused_one_token(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernels apply: one bf16/fp16 row on CUDA, a contiguous weight of its dtype. The
+    tests are on shapes, dtype and device, so under torch.compile they resolve while tracing."""
     return (triton is not None and x.device.type == "cuda" and x.numel() == x.shape[-1]
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: one bf16/fp16 row on CUDA through the Triton GEMV, the rest
-    through `few_row_linear`. The tests are on shapes, dtype and device, so under torch.compile
-    they resolve while tracing."""
-    if not _fits(x, weight):
+    through `few_row_linear`."""
+    if not fused_one_token(x, weight):
         return few_row_linear(x, weight, bias)
     y = gemv(x.reshape(-1).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
-
-
-def fused_one_token(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `gemv_rms` / `gemv_add` apply (the decoder layer asks while tracing)."""
-    return _fits(x, weight)
 
 
 def rms_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:

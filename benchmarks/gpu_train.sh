@@ -27,6 +27,9 @@
 #                                    # from a target layer (train --init-layer) against the quickstart's defaults
 #   bash benchmarks/gpu_train.sh v   # the Triton GEMV (engine/gemv.py) in the fast path: 8B-shaped step against
 #                                    # cuBLAS, logits against HF, SmolLM2 shapes with and without coordinate descent
+#   bash benchmarks/gpu_train.sh w   # the one-token attention kernel (engine/decode_attention.py) and SiLU folded into
+#                                    # the down product: kernel tests on CUDA, 8B step against cuBLAS and products-only,
+#                                    # logits against HF over a filled cache, SmolLM2 shapes
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
 #
@@ -253,6 +256,13 @@ case "$1" in
       --plan "nocd:1,8;check1;default:1,2,8;check1;check" 2>&1 | grep -v "Warning\|warnings.warn" | tail -20
     timeout 190 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_gemv --budget-s 160 \
       --plan "cd:1,8;default:1,8;e2e" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12
+    ;;
+  w)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -4
+    timeout 330 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_attn --budget-s 300 \
+      --plan "nocd:1,8;products:1;default:1,8;check_decode;check1" 2>&1 | grep -v "Warning\|warnings.warn" | tail -20
+    timeout 110 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_attn --budget-s 90 \
+      --plan "products:1;default:1,8;e2e" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12
     ;;
   n)
     [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2

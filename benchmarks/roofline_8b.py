@@ -10,8 +10,9 @@ Variants, each a separate compile (torch._dynamo.reset() between them):
     cd         inductor + coordinate_descent_tuning (matrix-vector products become tuned
                Triton reductions), one CUDA graph
     nocd       inductor without coordinate-descent tuning (cuBLAS GEMV for one token)
-    gemv       inductor, one-token products through engine/gemv.py's Triton kernel, unfused
-    default    nocd with gemv.py's kernels, norms and residual adds folded in <- the fast path
+    products   nocd with gemv.py's kernels for one token (norms, residual adds and SiLU * up folded
+               into the products), attention as compiled ops
+    default    products + decode_attention.py's rope/cache-write/attention kernels <- the fast path
     autotune   mode="max-autotune-no-cudagraphs" + coordinate descent (Triton GEMM templates
                for the small-M verify matmuls)
 A --budget-s guard skips what would not finish; the JSON says what was skipped.
@@ -46,7 +47,7 @@ VARIANTS = {
     # What FastEngine picks for these weights: no coordinate descent above 2 GiB, Triton GEMV.
     "default": dict(compile=True, cuda_graphs=True, coordinate_descent=False),
     "nocd": dict(compile=True, cuda_graphs=True, coordinate_descent=False, gemv=False),
-    "gemv": dict(compile=True, cuda_graphs=True, coordinate_descent=False, gemv=True),
+    "products": dict(compile=True, cuda_graphs=True, coordinate_descent=False, gemv=True, attention_kernel=False),
     "autotune": dict(compile=True, cuda_graphs=True, coordinate_descent=True, mode="max-autotune-no-cudagraphs"),
 }
 
@@ -58,7 +59,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=512, help="tokens already in the cache when timing")
     ap.add_argument("--max-len", type=int, default=1024, help="static cache length (attention reads all of it)")
     ap.add_argument("--plan", default="graph:1,8;cd:1;check;hf;cd:8,16,2,4;nocd:1;autotune:8",
-                    help="steps in order: VARIANT:T,T,...  |  check (logits vs HF)  |  hf (HF eager ms/token)")
+                    help="steps in order: VARIANT:T,T,...  |  check (logits vs HF)  |  check_decode (one-token "
+                         "steps after a prefill, vs HF)  |  hf (HF eager ms/token)")
     ap.add_argument("--tag", default="roofline_8b", help="name of the JSON file written under --out")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny random llama")
     args = ap.parse_args()
@@ -114,6 +116,9 @@ def main() -> int:
             elif name == "check1":  # one token: the matrix-vector products of the current variant
                 res.setdefault("check1", {})[current or "none"] = check_against_hf(model, dec, T=1)
                 print(name, current, res["check1"][current or "none"], flush=True)
+            elif name == "check_decode":  # one-token steps over a filled cache: the attention kernel
+                res.setdefault("check_decode", {})[current or "none"] = check_decode(model, dec)
+                print(name, current, res["check_decode"][current or "none"], flush=True)
             elif name in ("check", "check_eager"):
                 # check_eager: HF with its eager attention, whose rounding ours mirrors (bf16
                 # scores, fp32 softmax); its distance from sdpa's says how much is rounding.
@@ -165,6 +170,27 @@ def check_against_hf(model, dec: FastDecoder, T: int = 16) -> dict:
     rel = float((got - ref).norm() / ref.norm())
     agree = int((got.argmax(-1) == ref.argmax(-1)).sum())
     return {"T": T, "rel_err": rel, "argmax_agree": agree, "of": T}
+
+
+@torch.no_grad()
+def check_decode(model, dec: FastDecoder, prefill: int = 16, steps: int = 4) -> dict:
+    """A prefill of 16 tokens (one step of 16), then one-token steps each fed HF's argmax, against
+    HF's forward over the whole sequence: a key or value cached in the wrong place shows in the
+    steps after it."""
+    ids = torch.randint(0, dec.shapes.vocab, (prefill,), generator=torch.Generator().manual_seed(8)).tolist()
+    dec.step(ids, list(range(prefill)), 0, _causal(prefill), prefill)
+    rel, agree = [], 0
+
+    def hf_last():
+        return model(input_ids=torch.tensor([ids], device=dec.device)).logits[0, -1].float()
+
+    for t in range(prefill, prefill + steps):
+        ids.append(int(hf_last().argmax()))
+        got = dec.step([ids[-1]], [t], t, _causal(1), 1).logits[0].float()
+        ref = hf_last()
+        rel.append(float((got - ref).norm() / ref.norm()))
+        agree += int(got.argmax() == ref.argmax())
+    return {"rel_err": rel, "argmax_agree": agree, "of": len(rel)}
 
 
 def summarize(res: dict) -> None:

@@ -47,7 +47,7 @@ VARIANTS = {
     "cd": dict(compile=True, cuda_graphs=True, coordinate_descent=True, gemv=False),
     "default": dict(compile=True, cuda_graphs=True),  # what FastDecoder.optimize picks
     "nocd": dict(compile=True, cuda_graphs=True, coordinate_descent=False, gemv=False),
-    "gemv": dict(compile=True, cuda_graphs=True, coordinate_descent=False, gemv=True),
+    "products": dict(compile=True, cuda_graphs=True, coordinate_descent=False, gemv=True, attention_kernel=False),
     "cdgemv": dict(compile=True, cuda_graphs=True, coordinate_descent=True, gemv=True),
 }
 

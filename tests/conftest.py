@@ -2,8 +2,13 @@ import os
 import warnings
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton's interpreter runs the fast path's kernels on CPU tensors
+# (tests/test_triton_kernels.py); set before anything imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "deepseek_v3")

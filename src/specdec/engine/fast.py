@@ -49,7 +49,8 @@ from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from .engine import SpeculativeEngine, truncate_at_stop
 from .gemv import available as gemv_available
-from .gemv import fused_one_token, gemv_linear, linear_add, rms_linear
+from .gemv import fused_one_token, gemv_linear, glu_linear_add, linear_add, rms_linear
+from . import decode_attention
 from .sampling import sample, target_probs
 from .tree import Draft, TreeConfig, ancestor_mask
 
@@ -131,10 +132,13 @@ class Shapes:
         )
 
 
-def make_layer_fn(s: Shapes, gemv: bool = False):
+def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None = None):
     """One decoder layer over T tokens. Every argument is a tensor (or None), so one compiled
-    graph serves all layers. With `gemv`, a one-token step runs gemv.py's Triton kernels, each
-    RMSNorm and residual add folded into its product."""
+    graph serves all layers. With `gemv`, a one-token step runs gemv.py's Triton products, each
+    RMSNorm, residual add and SiLU * up folded into its product; with `attention_kernel` (default:
+    as `gemv`), its rope + cache write + attention run as decode_attention.py's kernels."""
+    if attention_kernel is None:
+        attention_kernel = gemv
     nh, nkv, hd, g, eps = s.heads, s.kv_heads, s.head_dim, s.groups, s.eps
     scale = hd**-0.5
     linear = gemv_linear if gemv else few_row_linear
@@ -150,9 +154,10 @@ def make_layer_fn(s: Shapes, gemv: bool = False):
             return linear_add(x, w, residual)
         return residual + linear(x, w, b)
 
-    def layer(x, ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd, kc, vc, cos, sin, slots, mask):
-        T = x.shape[0]
-        qkv = norm_linear(x, ln1, wqkv, bqkv)  # shape: [T, (nh + 2 nkv) hd]
+    def attention(qkv, qn, kn, kc, vc, cos, sin, slots, mask):
+        T = qkv.shape[0]
+        if attention_kernel and qn is None and decode_attention.fits(qkv, kc, vc):
+            return decode_attention.decode_attention(qkv, cos, sin, kc, vc, slots, nh, scale)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
         if qn is not None:  # Qwen3: per-head RMSNorm before rope
@@ -168,9 +173,15 @@ def make_layer_fn(s: Shapes, gemv: bool = False):
         att = att + mask
         att = torch.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
         o = torch.matmul(att, vc)  # shape: [nkv, gT, hd]
-        o = o.view(nkv, g, T, hd).permute(2, 0, 1, 3).reshape(T, nh * hd)
-        x = add_linear(x, o, wo, bo)
-        gate, up = norm_linear(x, ln2, wgu, bgu).chunk(2, dim=-1)
+        return o.view(nkv, g, T, hd).permute(2, 0, 1, 3).reshape(T, nh * hd)
+
+    def layer(x, ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd, kc, vc, cos, sin, slots, mask):
+        qkv = norm_linear(x, ln1, wqkv, bqkv)  # shape: [T, (nh + 2 nkv) hd]
+        x = add_linear(x, attention(qkv, qn, kn, kc, vc, cos, sin, slots, mask), wo, bo)
+        gu = norm_linear(x, ln2, wgu, bgu)
+        if gemv and bd is None and fused_one_token(gu, wd):
+            return glu_linear_add(gu, wd, x)
+        gate, up = gu.chunk(2, dim=-1)
         return add_linear(x, F.silu(gate) * up, wd, bd)
 
     return layer
@@ -333,22 +344,24 @@ class FastDecoder:
 
     # -- setup ---------------------------------------------------------------------------
     def optimize(self, *, compile: bool = True, cuda_graphs: bool = True, mode: str | None = None,
-                 coordinate_descent: bool = True, gemv: bool | None = None) -> "FastDecoder":
+                 coordinate_descent: bool = True, gemv: bool | None = None,
+                 attention_kernel: bool | None = None) -> "FastDecoder":
         """Compile the step functions with inductor (`mode` is torch.compile's; the default fuses
         without autotuning matmuls) and capture each step as a CUDA graph on first use.
 
         `coordinate_descent` sets inductor's coordinate_descent_tuning, which also turns every
         matrix-vector product (one token) into a tuned Triton reduction instead of a cuBLAS GEMV.
         `gemv` routes one-token products through gemv.py's Triton kernels instead, each RMSNorm and
-        residual add folded into its product (None: wherever Triton runs, i.e. on CUDA). Graphs
-        captured before are dropped."""
+        residual add folded into its product (None: wherever Triton runs, i.e. on CUDA), and
+        `attention_kernel` (None: as `gemv`) a one-token step's attention through
+        decode_attention.py's kernels. Graphs captured before are dropped."""
         if self.device.type != "cuda" and cuda_graphs:
             raise SpecdecError("CUDA graphs need a CUDA device; found " + str(self.device))
         if gemv is None:
             gemv = self.device.type == "cuda" and gemv_available()
         self._bufs.clear()
         self._compact.clear()
-        self._layer = make_layer_fn(self.shapes, gemv)
+        self._layer = make_layer_fn(self.shapes, gemv, attention_kernel)
         self._prep = make_prep_fn(self.shapes, self.cache_len)
         self._head = make_head_fn(self.shapes, gemv)
         if compile:

@@ -26,32 +26,39 @@ land inside the compiled step and its CUDA graph. Without Triton or CUDA, `gemv_
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..models.cpu_products import few_row_linear
 
-try:  # Triton comes with CUDA builds of torch; CPU-only installs have none
+try:  # Triton comes with CUDA builds of torch; CPU-only installs have it from the dev extra or not at all
     import triton
     import triton.language as tl
     from torch.library import triton_op, wrap_triton
-except ImportError:  # pragma: no cover - exercised on CPU-only installs
+except ImportError:  # pragma: no cover - exercised on CPU-only installs without the dev extra
     triton = None
+
+# Under Triton's interpreter (TRITON_INTERPRET=1, which the test suite sets without a GPU) the same
+# kernels run on CPU tensors, in numpy: slowly, but the kernel bodies themselves are tested.
+INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
+_DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
 
 
 def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether Triton kernels can take `x`: a CUDA tensor (or any, under the interpreter)."""
+    return triton is not None and x.device.type in _DEVICES
+
+
 if triton is not None:
 
-    @triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=8, num_stages=1)
-                 for bn in (2, 4, 8, 16) for bk in (512, 1024)],
-        key=["N", "K"],
-    )
     @triton.jit
     def _gemv_kernel(W, X, Y, G, R, N, eps, K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -60,6 +67,9 @@ if triton is not None:
             keep = cols < K
             w = tl.load(W + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < N) & keep[None, :], other=0.0)
             x = tl.load(X + cols, mask=keep, other=0.0).to(tl.float32)
+            if GLU:  # X holds [gate | up], 2K values: the product's input is silu(gate) * up
+                up = tl.load(X + K + cols, mask=keep, other=0.0).to(tl.float32)
+                x = x * tl.sigmoid(x) * up
             if NORM:
                 squares += x * x
                 x = x * tl.load(G + cols, mask=keep, other=0.0).to(tl.float32)
@@ -71,14 +81,25 @@ if triton is not None:
             y += tl.load(R + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
 
-    def _launch(x, w, g, r, eps: float, norm: bool, residual: bool) -> torch.Tensor:
+    # Block sizes are tuned per shape on the GPU; the interpreter has no timer to tune with.
+    _gemv_tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=8, num_stages=1)
+                 for bn in (2, 4, 8, 16) for bk in (512, 1024)],
+        key=["N", "K"],
+    )(_gemv_kernel)
+
+    def _launch(x, w, g, r, eps: float, norm: bool, residual: bool, glu: bool = False) -> torch.Tensor:
         n, k = w.shape
         y = torch.empty(1, n, device=x.device, dtype=x.dtype)
 
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]),)
 
-        wrap_triton(_gemv_kernel)[grid](w, x, y, g, r, n, eps, k, NORM=norm, RESIDUAL=residual)
+        flags = dict(NORM=norm, RESIDUAL=residual, GLU=glu)
+        if x.is_cuda:
+            wrap_triton(_gemv_tuned)[grid](w, x, y, g, r, n, eps, k, **flags)
+        else:
+            wrap_triton(_gemv_kernel)[grid](w, x, y, g, r, n, eps, k, **flags, BLOCK_N=16, BLOCK_K=64)
         return y
 
     @triton_op("specdec::gemv", mutates_args={})
@@ -96,11 +117,16 @@ if triton is not None:
         """`r + w @ x` for a residual r of N elements; returns [1, N]."""
         return _launch(x, w, x, r, 0.0, False, True)
 
+    @triton_op("specdec::gemv_glu_add", mutates_args={})
+    def gemv_glu_add(gu: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """`r + w @ (silu(gate) * up)` for gu = [gate | up] of 2K elements; returns [1, N]."""
+        return _launch(gu, w, gu, r, 0.0, False, True, glu=True)
+
 
 def fused_one_token(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernels apply: one bf16/fp16 row on CUDA, a contiguous weight of its dtype. The
     tests are on shapes, dtype and device, so under torch.compile they resolve while tracing."""
-    return (triton is not None and x.device.type == "cuda" and x.numel() == x.shape[-1]
+    return (runs_on(x) and x.numel() == x.shape[-1]
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
 
 
@@ -122,3 +148,10 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) ->
     """`residual + F.linear(x, weight)` in one kernel (call only where `fused_one_token`)."""
     out = gemv_add(x.reshape(-1).contiguous(), weight, residual.reshape(-1).contiguous())
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def glu_linear_add(gu: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """`residual + F.linear(silu(gate) * up, weight)` for gu = [gate | up] in one kernel (call only
+    where `fused_one_token`)."""
+    out = gemv_glu_add(gu.reshape(-1).contiguous(), weight, residual.reshape(-1).contiguous())
+    return out.view(*gu.shape[:-1], weight.shape[0])

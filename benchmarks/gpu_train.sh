@@ -30,6 +30,8 @@
 #   bash benchmarks/gpu_train.sh w   # the one-token attention kernel (engine/decode_attention.py) and SiLU folded into
 #                                    # the down product: kernel tests on CUDA, 8B step against cuBLAS and products-only,
 #                                    # logits against HF over a filled cache, SmolLM2 shapes
+#   bash benchmarks/gpu_train.sh x   # `specdec quickstart` on CUDA with a tiny random Llama, then `specdec serve` with
+#                                    # its EAGLE-3 drafter on the CUDA fast path (carry .devdata/home and .whl)
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
 #
@@ -260,9 +262,30 @@ case "$1" in
   w)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -4
     timeout 330 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_attn --budget-s 300 \
-      --plan "nocd:1,8;products:1;default:1,8;check_decode;check1" 2>&1 | grep -v "Warning\|warnings.warn" | tail -20
+      --plan "nocd:1,8;products:1;default:1,8;check_decode;bs=16;default:1;bs=64;default:1;check1" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -20
     timeout 110 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_attn --budget-s 90 \
       --plan "products:1;default:1,8;e2e" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12
+    timeout 100 python3 benchmarks/profile_8b.py --out "$OUT" --gemv-budget-s 0 2>&1 | grep -v Warning | tail -3
+    ;;
+  x)
+    mkdir -p "$SPECDEC_HOME" && cp -r .devdata/home/data "$SPECDEC_HOME/"
+    timeout 240 python3 -m specdec quickstart --target tiny-llama --prompts 64 --eval-prompts 3 --max-new-tokens 32 \
+      --out /root/qs-tiny 2>&1 | grep -v "Warning\|warnings.warn" | tail -16
+    D=/root/qs-tiny/train/drafter
+    python3 -m specdec serve --target tiny-llama --drafter "$D" --num-speculative-tokens 3 --device cuda --port 8321 \
+      > "$OUT/serve_eagle_cuda.log" 2>&1 &
+    for _ in $(seq 120); do grep -q "ready on" "$OUT/serve_eagle_cuda.log" && break; sleep 1; done
+    grep -v "Warning\|warnings.warn" "$OUT/serve_eagle_cuda.log" | head -6
+    for i in 1 2 3; do
+      curl -s -m 60 http://127.0.0.1:8321/v1/chat/completions -H 'Content-Type: application/json' \
+        -d '{"model": "tiny-llama", "messages": [{"role": "user", "content": "abc abc abc"}], "max_tokens": 40}' \
+        | head -c 300; echo
+    done
+    curl -s http://127.0.0.1:8321/metrics > "$OUT/serve_eagle_cuda_metrics.txt"
+    grep "^vllm:spec_decode_num_\(drafts\|draft_tokens\|accepted_tokens\)_total" "$OUT/serve_eagle_cuda_metrics.txt"
+    timeout 60 python3 -m specdec diagnose "$OUT/serve_eagle_cuda_metrics.txt" 2>&1 | tail -8
+    kill %1
     ;;
   n)
     [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2

@@ -2,7 +2,7 @@
 
 Two measurements on the GPU, written to --out as JSON:
 
-1. The fast path's one-token step (inductor without coordinate descent, cuBLAS GEMV), run without
+1. The fast path's one-token step (inductor without coordinate descent, its Triton kernels), run without
    a CUDA graph under torch.profiler: GPU time per kernel family (matrix-vector products,
    attention, norms and other fused elementwise kernels), per step, next to the graph replay's
    wall time. The floor is set by the products; everything else is overhead to fuse away.
@@ -109,6 +109,8 @@ def graph_ms(fn, ws: list, reps: int = 4) -> float:
 
 
 def gemv_table(bw: float, budget_s: float) -> list[dict]:
+    if budget_s <= 0:
+        return []
     run = triton_gemv()
     t0 = time.time()
     rows = []

@@ -60,7 +60,8 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=1024, help="static cache length (attention reads all of it)")
     ap.add_argument("--plan", default="graph:1,8;cd:1;check;hf;cd:8,16,2,4;nocd:1;autotune:8",
                     help="steps in order: VARIANT:T,T,...  |  check (logits vs HF)  |  check_decode (one-token "
-                         "steps after a prefill, vs HF)  |  hf (HF eager ms/token)")
+                         "steps after a prefill, vs HF)  |  hf (HF eager ms/token)  |  bs=N (attention "
+                         "kernel block, default 32)")
     ap.add_argument("--tag", default="roofline_8b", help="name of the JSON file written under --out")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny random llama")
     args = ap.parse_args()
@@ -110,7 +111,13 @@ def main() -> int:
             save()
             continue
         try:
-            if name == "hf":
+            if name.startswith("bs="):  # the attention kernel's block of cache slots, from the next variant on
+                from specdec.engine import decode_attention
+
+                decode_attention.BLOCK_S = int(name[3:])
+                res.setdefault("block_s_by_step", []).append(step)
+                current = None
+            elif name == "hf":
                 res["hf_eager_ms"] = hf_decode_ms(model, prompt_len=args.ctx, steps=12)
                 print(f"HF eager {res['hf_eager_ms']:.2f} ms/token", flush=True)
             elif name == "check1":  # one token: the matrix-vector products of the current variant
@@ -145,8 +152,11 @@ def main() -> int:
                     setup = time.time() - t0
                     r = decoder_step_ms(dec, T, slot0=args.ctx)
                     r["compile_and_capture_s"] = setup
-                    res["variants"].setdefault(name, {})[str(T)] = r
-                    print(f"{name} T={T}: {r['ms']:.3f} ms (setup {setup:.0f} s)", flush=True)
+                    from specdec.engine import decode_attention
+
+                    key = name if decode_attention.BLOCK_S == 32 else f"{name}@bs{decode_attention.BLOCK_S}"
+                    res["variants"].setdefault(key, {})[str(T)] = r
+                    print(f"{key} T={T}: {r['ms']:.3f} ms (setup {setup:.0f} s)", flush=True)
                     save()
         except Exception as e:
             res["errors"].append({"step": step, "error": f"{type(e).__name__}: {e}"[:2000],

@@ -43,10 +43,10 @@ def test_gemv_variants_match_torch(n, k):
     _close(gemv.gemv_rms(x, g, w, 1e-5)[0], want, want.abs().max())
     want = rf + wf @ xf
     _close(gemv.gemv_add(x, w, r)[0], want, want.abs().max())
-    gu = _randn(2 * k, seed=5)
-    gate, up = gu.float().chunk(2)
-    want = rf + wf @ (F.silu(gate) * up)
-    _close(gemv.gemv_glu_add(gu, w, r)[0], want, want.abs().max())
+    wgu = _randn(2 * n, k, seed=5)  # [gate; up]
+    gate, up = (wgu.float() @ normed).chunk(2)
+    want = F.silu(gate) * up
+    _close(gemv.gemv_rms_glu(x, g, wgu, 1e-5)[0], want, want.abs().max())
 
 
 def _rope_rows(pos, hd):
@@ -55,46 +55,37 @@ def _rope_rows(pos, hd):
     return emb.cos()[None].to(DEV, torch.bfloat16), emb.sin()[None].to(DEV, torch.bfloat16)
 
 
-def _attention_reference(qkv, cos, sin, kc, vc, slot, nh):
-    nkv, _, hd = kc.shape
-    q, k, v = qkv[0].float().cpu().split([nh * hd, nkv * hd, nkv * hd])
-    cos, sin = cos[0].float().cpu(), sin[0].float().cpu()
-
-    def rope(t):
-        rot = torch.cat([-t[..., hd // 2 :], t[..., : hd // 2]], dim=-1)
-        return (t * cos + rot * sin).to(torch.bfloat16).float()
-
-    q, k, v = rope(q.view(nh, hd)), rope(k.view(nkv, hd)), v.view(nkv, hd)
-    keys = torch.cat([kc[:, :slot].float().cpu(), k[:, None]], 1).repeat_interleave(nh // nkv, 0)
-    vals = torch.cat([vc[:, :slot].float().cpu(), v[:, None]], 1).repeat_interleave(nh // nkv, 0)
-    p = torch.softmax(q[:, None, :] @ keys.transpose(1, 2) / math.sqrt(hd), dim=-1)
-    return (p @ vals).reshape(1, -1), k, v
+def _rope(t, cos, sin):
+    hd = t.shape[-1]
+    rot = torch.cat([-t[..., hd // 2 :], t[..., : hd // 2]], dim=-1)
+    return (t.float() * cos[0].float() + rot.float() * sin[0].float()).to(torch.bfloat16)
 
 
-# (query heads, kv heads, head size, cache slots, the new token's slot): GQA groups of 2, 3 (not a
-# power of two, SmolLM2's) and 4 (Llama-3's); the first and the last slot; a cache that does not
-# divide into the kernel's blocks.
+# (query heads, kv heads, head size, cache slots, the token's slot): GQA groups of 2, 3 (not a power
+# of two, SmolLM2's) and 4 (Llama-3's); the first and the last slot; a cache that does not divide
+# into the kernel's blocks.
 @pytest.mark.parametrize("nh,nkv,hd,S,slot", [(4, 2, 16, 96, 37), (9, 3, 64, 128, 0), (9, 3, 64, 128, 127),
                                               (8, 2, 32, 70, 45)])
-def test_decode_attention_matches_softmax_attention_and_writes_the_cache(nh, nkv, hd, S, slot):
+def test_decode_attention_matches_softmax_attention(nh, nkv, hd, S, slot):
     qkv = _randn(1, (nh + 2 * nkv) * hd, seed=slot)
     kc, vc = _randn(nkv, S, hd, seed=10), _randn(nkv, S, hd, seed=11)
-    # Slots past the new token's hold garbage a kernel must not read (NaN would spread).
+    # Slots past the token's hold garbage a kernel must not read (NaN would spread).
     kc[:, slot + 1 :], vc[:, slot + 1 :] = float("nan"), float("nan")
     cos, sin = _rope_rows(slot + 3, hd)
-    want, k, v = _attention_reference(qkv, cos, sin, kc, vc, slot, nh)
+    q = _rope(qkv[0, : nh * hd].view(nh, hd), cos, sin).float().cpu()
+    keys = kc[:, : slot + 1].float().cpu().repeat_interleave(nh // nkv, 0)
+    vals = vc[:, : slot + 1].float().cpu().repeat_interleave(nh // nkv, 0)
+    want = (torch.softmax(q[:, None, :] @ keys.transpose(1, 2) / math.sqrt(hd), dim=-1) @ vals).reshape(1, -1)
     out = decode_attention.decode_attention(qkv, cos, sin, kc, vc, torch.tensor([slot], device=DEV), nh, hd**-0.5)
     _close(out, want, 1.0)
-    _close(kc[:, slot], k, k.abs().max())
-    assert torch.equal(vc[:, slot].float().cpu(), v)
-    assert torch.isnan(kc[:, slot + 1 :]).all() and torch.isnan(vc[:, slot + 1 :]).all()
+    assert torch.isnan(kc[:, slot + 1 :]).all() and torch.isnan(vc[:, slot + 1 :]).all()  # untouched
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a q/k/v bias after the fused product
 def test_one_token_steps_through_the_kernels_match_hf(tiny_targets, arch, monkeypatch):
     """Decode steps of one token run every fused kernel: norms, residual adds and SiLU * up folded
-    into the products, rope + cache write + attention in decode_attention. Four steps in a row, so a
-    key or value written to the wrong slot (or to a copy of the cache) shows in the next step."""
+    into the products, attention in decode_attention. Four steps in a row, so a key or value cached
+    in the wrong slot shows in the next step."""
     model = copy.deepcopy(tiny_targets[arch].model).to(DEV, torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # norm weights of their own (a fresh model's are all ones)
@@ -104,7 +95,7 @@ def test_one_token_steps_through_the_kernels_match_hf(tiny_targets, arch, monkey
     prompt = torch.randint(0, 250, (9,), generator=gen).tolist()
     fused = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
     calls = {"attention": 0, "glu": 0}
-    for mod, name, key in ((decode_attention, "decode_attention", "attention"), (gemv, "gemv_glu_add", "glu")):
+    for mod, name, key in ((decode_attention, "decode_attention", "attention"), (gemv, "gemv_rms_glu", "glu")):
 
         def counted(*a, real=getattr(mod, name), key=key):
             calls[key] += 1

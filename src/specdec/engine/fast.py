@@ -49,7 +49,7 @@ from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from .engine import SpeculativeEngine, truncate_at_stop
 from .gemv import available as gemv_available
-from .gemv import fused_one_token, gemv_linear, glu_linear_add, linear_add, rms_linear
+from .gemv import fused_one_token, gemv_linear, linear_add, rms_glu_linear, rms_linear
 from . import decode_attention
 from .sampling import sample, target_probs
 from .tree import Draft, TreeConfig, ancestor_mask
@@ -135,10 +135,10 @@ class Shapes:
 def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None = None):
     """One decoder layer over T tokens. Every argument is a tensor (or None), so one compiled
     graph serves all layers. With `gemv`, a one-token step runs gemv.py's Triton products, each
-    RMSNorm, residual add and SiLU * up folded into its product; with `attention_kernel` (default:
-    as `gemv`), its rope + cache write + attention run as decode_attention.py's kernels."""
-    if attention_kernel is None:
-        attention_kernel = gemv
+    RMSNorm and residual add folded into its product and SiLU * up into the gate/up product's
+    store; with `attention_kernel` (default: as `gemv`), its attention runs as
+    decode_attention.py's kernels."""
+    kernel = gemv if attention_kernel is None else attention_kernel
     nh, nkv, hd, g, eps = s.heads, s.kv_heads, s.head_dim, s.groups, s.eps
     scale = hd**-0.5
     linear = gemv_linear if gemv else few_row_linear
@@ -156,17 +156,17 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
 
     def attention(qkv, qn, kn, kc, vc, cos, sin, slots, mask):
         T = qkv.shape[0]
-        if attention_kernel and qn is None and decode_attention.fits(qkv, kc, vc):
-            return decode_attention.decode_attention(qkv, cos, sin, kc, vc, slots, nh, scale)
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
         if qn is not None:  # Qwen3: per-head RMSNorm before rope
             q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
         c, sn = cos[:, None, :], sin[:, None, :]
-        q = q * c + _rotate_half(q) * sn
         k = k * c + _rotate_half(k) * sn
         kc[:, slots] = k.transpose(0, 1)  # kc shape: [nkv, S, hd]; index_put_, reinplaced
         vc[:, slots] = v.transpose(0, 1)
+        if kernel and qn is None and decode_attention.fits(qkv, kc, vc):
+            return decode_attention.decode_attention(qkv, cos, sin, kc, vc, slots, nh, scale)  # ropes q itself
+        q = q * c + _rotate_half(q) * sn
         # GQA without repeating the cache: the g query heads of one kv head become g*T rows.
         qg = q.view(T, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * T, hd)
         att = torch.matmul(qg, kc.transpose(1, 2)) * scale  # shape: [nkv, gT, S]
@@ -178,11 +178,12 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
     def layer(x, ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd, kc, vc, cos, sin, slots, mask):
         qkv = norm_linear(x, ln1, wqkv, bqkv)  # shape: [T, (nh + 2 nkv) hd]
         x = add_linear(x, attention(qkv, qn, kn, kc, vc, cos, sin, slots, mask), wo, bo)
-        gu = norm_linear(x, ln2, wgu, bgu)
-        if gemv and bd is None and fused_one_token(gu, wd):
-            return glu_linear_add(gu, wd, x)
-        gate, up = gu.chunk(2, dim=-1)
-        return add_linear(x, F.silu(gate) * up, wd, bd)
+        if gemv and bgu is None and fused_one_token(x, wgu):
+            act = rms_glu_linear(x, ln2, eps, wgu)
+        else:
+            gate, up = norm_linear(x, ln2, wgu, bgu).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return add_linear(x, act, wd, bd)
 
     return layer
 

@@ -262,7 +262,7 @@ case "$1" in
   w)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -4
     timeout 330 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_attn --budget-s 300 \
-      --plan "nocd:1,8;products:1;default:1,8;check_decode;bs=16;default:1;bs=64;default:1;check1" 2>&1 \
+      --plan "nocd:1,8;glu=0;products:1;default:1;glu=1;products:1;default:1,8;check_decode;bs=64;default:1;bs=16;default:1;check1" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -20
     timeout 110 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_attn --budget-s 90 \
       --plan "products:1;default:1,8;e2e" 2>&1 | grep -v "Warning\|warnings.warn" | tail -12

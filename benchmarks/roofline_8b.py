@@ -111,7 +111,12 @@ def main() -> int:
             save()
             continue
         try:
-            if name.startswith("bs="):  # the attention kernel's block of cache slots, from the next variant on
+            if name.startswith("glu="):  # SiLU * up folded into the gate/up product or not, from the next variant on
+                from specdec.engine import gemv
+
+                gemv.FOLD_GLU = name == "glu=1"
+                current = None
+            elif name.startswith("bs="):  # the attention kernel's block of cache slots, from the next variant on
                 from specdec.engine import decode_attention
 
                 decode_attention.BLOCK_S = int(name[3:])
@@ -154,7 +159,10 @@ def main() -> int:
                     r["compile_and_capture_s"] = setup
                     from specdec.engine import decode_attention
 
+                    from specdec.engine import gemv
+
                     key = name if decode_attention.BLOCK_S == 32 else f"{name}@bs{decode_attention.BLOCK_S}"
+                    key = key if gemv.FOLD_GLU else f"{key}@noglu"
                     res["variants"].setdefault(key, {})[str(T)] = r
                     print(f"{key} T={T}: {r['ms']:.3f} ms (setup {setup:.0f} s)", flush=True)
                     save()

@@ -3,11 +3,12 @@
 Written with the compiled step's ops, a one-token layer's attention is q @ K^T over the whole
 static cache, mask + softmax and p @ V: kernels of a few microseconds each, whose launches and
 gaps in the CUDA graph cost as much as their work, and q @ K^T reads every slot, live or not.
-Here, after the step has written the token's roped key and value into the cache:
+Here, after the step has roped the token's queries and key and written its key and value into
+the cache:
 
-    split kernel    grid (kv heads, cache blocks of BLOCK_S slots). Every program ropes its G query
-                    heads (in fp32, rounded to the cache dtype as HF rounds them), scores the slots
-                    of its block up to the token's own (blocks past it load nothing) and writes an
+    split kernel    grid (kv heads, cache blocks of BLOCK_S slots). Every program scores its G query
+                    heads (padded to 16 rows: two tensor-core products) against the slots of its
+                    block up to the token's own (blocks past it load nothing) and writes an
                     unnormalised partial: max, sum of exp, p @ V.
     combine kernel  grid (query heads): rescales the partials by their maxima and sums them
                     (flash-decoding's split-K softmax).
@@ -34,44 +35,37 @@ if triton is not None:
     from torch.library import triton_op, wrap_triton
 
     @triton.jit
-    def _split_kernel(QKV, COS, SIN, KC, VC, SLOT, PO, PM, PL, S, NSPLIT, scale,
-                      HD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr):
-        HALF: tl.constexpr = HD // 2
+    def _split_kernel(Q, KC, VC, SLOT, PO, PM, PL, S, NSPLIT, scale,
+                      HD: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BLOCK_S: tl.constexpr,
+                      UPCAST: tl.constexpr):
         h = tl.program_id(0)
         sp = tl.program_id(1)
         slot = tl.load(SLOT)
-        d = tl.arange(0, HALF)
-        # rope(q) = q * cos + rotate_half(q) * sin, rotate_half(q) = [-q2, q1], on halves
-        c1 = tl.load(COS + d).to(tl.float32)
-        c2 = tl.load(COS + HALF + d).to(tl.float32)
-        s1 = tl.load(SIN + d).to(tl.float32)
-        s2 = tl.load(SIN + HALF + d).to(tl.float32)
+        d = tl.arange(0, HD)
+        # The G query heads of kv head h, padded to GP >= 16 rows so both products run on tensor
+        # cores (the padding rows load nothing and are never stored).
         gi = tl.arange(0, GP)
         live = gi < G
         head = h * G + gi
-        qp = QKV + head[:, None] * HD + d[None, :]
-        qa = tl.load(qp, mask=live[:, None], other=0.0).to(tl.float32)
-        qb = tl.load(qp + HALF, mask=live[:, None], other=0.0).to(tl.float32)
-        ra = qa * c1[None, :] - qb * s1[None, :]
-        rb = qb * c2[None, :] + qa * s2[None, :]
-        qa = ra.to(KC.dtype.element_ty).to(tl.float32)
-        qb = rb.to(KC.dtype.element_ty).to(tl.float32)
+        q = tl.load(Q + head[:, None] * HD + d[None, :], mask=live[:, None], other=0.0)
         # This block's slots up to the token's own.
         j = sp * BLOCK_S + tl.arange(0, BLOCK_S)
         valid = j <= slot
         rows = h * S * HD + j[:, None] * HD + d[None, :]
-        ka = tl.load(KC + rows, mask=valid[:, None], other=0.0).to(tl.float32)
-        kb = tl.load(KC + rows + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
-        sc = tl.sum(qa[:, None, :] * ka[None, :, :], axis=2) + tl.sum(qb[:, None, :] * kb[None, :, :], axis=2)
-        sc = tl.where(valid[None, :], sc * scale, float("-inf"))  # shape: [GP, BLOCK_S]
+        k = tl.load(KC + rows, mask=valid[:, None], other=0.0)
+        if UPCAST:  # Triton's interpreter multiplies bf16 tiles wrongly; fp32 ones exactly
+            q, k = q.to(tl.float32), k.to(tl.float32)
+        sc = tl.dot(q, tl.trans(k)) * scale  # shape: [GP, BLOCK_S], fp32
+        sc = tl.where(valid[None, :], sc, float("-inf"))
         m = tl.max(sc, axis=1)
         shift = tl.where(m == float("-inf"), 0.0, m)  # a block past the token: every p is exp(-inf) = 0
         p = tl.exp(sc - shift[:, None])
-        va = tl.load(VC + rows, mask=valid[:, None], other=0.0).to(tl.float32)
-        vb = tl.load(VC + rows + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
-        out = PO + (head[:, None] * NSPLIT + sp) * HD + d[None, :]
-        tl.store(out, tl.sum(p[:, :, None] * va[None, :, :], axis=1), mask=live[:, None])
-        tl.store(out + HALF, tl.sum(p[:, :, None] * vb[None, :, :], axis=1), mask=live[:, None])
+        v = tl.load(VC + rows, mask=valid[:, None], other=0.0)
+        pv = p.to(v.dtype)  # rounded as the GPU rounds it
+        if UPCAST:
+            pv, v = pv.to(tl.float32), v.to(tl.float32)
+        o = tl.dot(pv, v)  # shape: [GP, HD], fp32
+        tl.store(PO + (head[:, None] * NSPLIT + sp) * HD + d[None, :], o, mask=live[:, None])
         tl.store(PM + head * NSPLIT + sp, m, mask=live)
         tl.store(PL + head * NSPLIT + sp, tl.sum(p, axis=1), mask=live)
 
@@ -93,31 +87,32 @@ if triton is not None:
         tl.store(OUT + hh * HD + dd, (acc / total).to(OUT.dtype.element_ty))
 
     @triton_op("specdec::decode_attention", mutates_args={})
-    def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
-                         vc: torch.Tensor, slot: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
-        """Attention of one token over the cache: qkv = [q | k | v] of the token before rope
-        ([1, (heads + 2 kv) hd]; q is read), cos/sin its rope rows ([1, hd]), kc/vc the caches
-        [kv, S, hd] holding slots <= slot[0], the token's own included. Returns [1, heads * hd]."""
-        nkv, S, hd = kc.shape
+    def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """Attention of one token over the cache: q its roped queries [heads, hd] (contiguous),
+        kc/vc the caches [kv, S, hd] holding slots <= slot[0], the token's own included.
+        Returns [1, heads * hd] in q's dtype."""
+        heads, hd = q.shape
+        nkv, S, _ = kc.shape
         g = heads // nkv
         nsplit = triton.cdiv(S, BLOCK_S)
-        po = torch.empty(heads, nsplit, hd, device=qkv.device, dtype=torch.float32)
-        pm = torch.empty(heads, nsplit, device=qkv.device, dtype=torch.float32)
+        po = torch.empty(heads, nsplit, hd, device=q.device, dtype=torch.float32)
+        pm = torch.empty(heads, nsplit, device=q.device, dtype=torch.float32)
         pl = torch.empty_like(pm)
-        out = torch.empty(1, heads * hd, device=qkv.device, dtype=qkv.dtype)
+        out = torch.empty(1, heads * hd, device=q.device, dtype=q.dtype)
         wrap_triton(_split_kernel)[(nkv, nsplit)](
-            qkv, cos, sin, kc, vc, slot, po, pm, pl, S, nsplit, scale,
-            HD=hd, G=g, GP=triton.next_power_of_2(g), BLOCK_S=BLOCK_S, num_warps=4)
+            q, kc, vc, slot, po, pm, pl, S, nsplit, scale,
+            HD=hd, G=g, GP=max(16, triton.next_power_of_2(g)), BLOCK_S=BLOCK_S, UPCAST=not q.is_cuda, num_warps=4)
         wrap_triton(_combine_kernel)[(heads,)](
             po, pm, pl, out, nsplit, HD=hd, SP=triton.next_power_of_2(nsplit), CHUNK=COMBINE_CHUNK, num_warps=4)
         return out
 
 
-def fits(qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> bool:
-    """Whether the kernels apply: one bf16/fp16 token where Triton runs, a head size whose half is a
-    power of two (Triton's ranges), contiguous caches of the token's dtype. Shapes, dtypes and
-    devices only, so under torch.compile it resolves while tracing."""
-    half = kc.shape[-1] // 2
-    return (runs_on(qkv) and qkv.shape[0] == 1 and qkv.dtype in (torch.bfloat16, torch.float16)
-            and qkv.is_contiguous() and kc.dtype == vc.dtype == qkv.dtype
-            and kc.is_contiguous() and vc.is_contiguous() and half >= 1 and half & (half - 1) == 0)
+def fits(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> bool:
+    """Whether the kernels apply: one bf16/fp16 token where Triton runs, a head size that is a
+    power of two of at least 16 (tensor-core tiles), caches of the token's dtype. Shapes, dtypes
+    and devices only, so under torch.compile it resolves while tracing."""
+    hd = kc.shape[-1]
+    return (runs_on(q) and q.shape[0] == 1 and q.dtype in (torch.bfloat16, torch.float16)
+            and kc.dtype == vc.dtype == q.dtype and kc.is_contiguous() and vc.is_contiguous()
+            and hd >= 16 and hd & (hd - 1) == 0)

@@ -51,6 +51,7 @@ from .engine import SpeculativeEngine, truncate_at_stop
 from .gemv import available as gemv_available
 from .gemv import fused_one_token, gemv_linear, linear_add, rms_glu_linear, rms_linear
 from . import decode_attention
+from . import gemv as gemv_kernels
 from .sampling import sample, target_probs
 from .tree import Draft, TreeConfig, ancestor_mask
 
@@ -139,6 +140,7 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
     store; with `attention_kernel` (default: as `gemv`), its attention runs as
     decode_attention.py's kernels."""
     kernel = gemv if attention_kernel is None else attention_kernel
+    fold_glu = gemv and gemv_kernels.FOLD_GLU
     nh, nkv, hd, g, eps = s.heads, s.kv_heads, s.head_dim, s.groups, s.eps
     scale = hd**-0.5
     linear = gemv_linear if gemv else few_row_linear
@@ -161,12 +163,12 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
         if qn is not None:  # Qwen3: per-head RMSNorm before rope
             q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
         c, sn = cos[:, None, :], sin[:, None, :]
+        q = q * c + _rotate_half(q) * sn
         k = k * c + _rotate_half(k) * sn
         kc[:, slots] = k.transpose(0, 1)  # kc shape: [nkv, S, hd]; index_put_, reinplaced
         vc[:, slots] = v.transpose(0, 1)
-        if kernel and qn is None and decode_attention.fits(qkv, kc, vc):
-            return decode_attention.decode_attention(qkv, cos, sin, kc, vc, slots, nh, scale)  # ropes q itself
-        q = q * c + _rotate_half(q) * sn
+        if kernel and decode_attention.fits(q, kc, vc):
+            return decode_attention.decode_attention(q.reshape(nh, hd).contiguous(), kc, vc, slots, scale)
         # GQA without repeating the cache: the g query heads of one kv head become g*T rows.
         qg = q.view(T, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * T, hd)
         att = torch.matmul(qg, kc.transpose(1, 2)) * scale  # shape: [nkv, gT, S]
@@ -178,7 +180,7 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
     def layer(x, ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd, kc, vc, cos, sin, slots, mask):
         qkv = norm_linear(x, ln1, wqkv, bqkv)  # shape: [T, (nh + 2 nkv) hd]
         x = add_linear(x, attention(qkv, qn, kn, kc, vc, cos, sin, slots, mask), wo, bo)
-        if gemv and bgu is None and fused_one_token(x, wgu):
+        if fold_glu and bgu is None and fused_one_token(x, wgu):
             act = rms_glu_linear(x, ln2, eps, wgu)
         else:
             gate, up = norm_linear(x, ln2, wgu, bgu).chunk(2, dim=-1)

@@ -49,6 +49,11 @@ INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 _DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
 
 
+# SiLU * up in the gate/up product's store; False leaves it to a compiled kernel between the MLP's
+# two products (benchmarks/roofline_8b.py compares the two with its glu=0/1 steps).
+FOLD_GLU = True
+
+
 def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 

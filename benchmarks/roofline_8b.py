@@ -114,7 +114,7 @@ def main() -> int:
             if name.startswith("glu="):  # SiLU * up folded into the gate/up product or not, from the next variant on
                 from specdec.engine import gemv
 
-                gemv.FOLD_GLU = name == "glu=1"
+                gemv.GLU_FOLD_MAX_BYTES = 1 << 62 if name == "glu=1" else 0
                 current = None
             elif name.startswith("bs="):  # the attention kernel's block of cache slots, from the next variant on
                 from specdec.engine import decode_attention
@@ -162,7 +162,7 @@ def main() -> int:
                     from specdec.engine import gemv
 
                     key = name if decode_attention.BLOCK_S == 32 else f"{name}@bs{decode_attention.BLOCK_S}"
-                    key = key if gemv.FOLD_GLU else f"{key}@noglu"
+                    key = f"{key}@glu" if gemv.GLU_FOLD_MAX_BYTES > 1 << 40 else key
                     res["variants"].setdefault(key, {})[str(T)] = r
                     print(f"{key} T={T}: {r['ms']:.3f} ms (setup {setup:.0f} s)", flush=True)
                     save()

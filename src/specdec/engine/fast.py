@@ -49,9 +49,8 @@ from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from .engine import SpeculativeEngine, truncate_at_stop
 from .gemv import available as gemv_available
-from .gemv import fused_one_token, gemv_linear, linear_add, rms_glu_linear, rms_linear
+from .gemv import folds_glu, fused_one_token, gemv_linear, linear_add, rms_glu_linear, rms_linear
 from . import decode_attention
-from . import gemv as gemv_kernels
 from .sampling import sample, target_probs
 from .tree import Draft, TreeConfig, ancestor_mask
 
@@ -136,11 +135,10 @@ class Shapes:
 def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None = None):
     """One decoder layer over T tokens. Every argument is a tensor (or None), so one compiled
     graph serves all layers. With `gemv`, a one-token step runs gemv.py's Triton products, each
-    RMSNorm and residual add folded into its product and SiLU * up into the gate/up product's
-    store; with `attention_kernel` (default: as `gemv`), its attention runs as
+    RMSNorm and residual add folded into its product and, for small MLPs, SiLU * up into the
+    gate/up product's store; with `attention_kernel` (default: as `gemv`), its attention runs as
     decode_attention.py's kernels."""
     kernel = gemv if attention_kernel is None else attention_kernel
-    fold_glu = gemv and gemv_kernels.FOLD_GLU
     nh, nkv, hd, g, eps = s.heads, s.kv_heads, s.head_dim, s.groups, s.eps
     scale = hd**-0.5
     linear = gemv_linear if gemv else few_row_linear
@@ -180,7 +178,7 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
     def layer(x, ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd, kc, vc, cos, sin, slots, mask):
         qkv = norm_linear(x, ln1, wqkv, bqkv)  # shape: [T, (nh + 2 nkv) hd]
         x = add_linear(x, attention(qkv, qn, kn, kc, vc, cos, sin, slots, mask), wo, bo)
-        if fold_glu and bgu is None and fused_one_token(x, wgu):
+        if gemv and bgu is None and fused_one_token(x, wgu) and folds_glu(wgu):
             act = rms_glu_linear(x, ln2, eps, wgu)
         else:
             gate, up = norm_linear(x, ln2, wgu, bgu).chunk(2, dim=-1)

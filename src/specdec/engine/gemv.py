@@ -49,9 +49,12 @@ INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 _DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
 
 
-# SiLU * up in the gate/up product's store; False leaves it to a compiled kernel between the MLP's
-# two products (benchmarks/roofline_8b.py compares the two with its glu=0/1 steps).
-FOLD_GLU = True
+# SiLU * up goes into the gate/up product's store up to this size of gate/up weight, and into a
+# compiled kernel between the MLP's two products above it. Measured on an H200 (BENCHMARKS.md):
+# folded, SmolLM2's 3.5 MB product saves its kernel (0.79 against 0.83 ms per step), while
+# Llama-3.1-8B's 235 MB ones stream ~5% slower with two accumulators (4.58 against 4.49 ms).
+# benchmarks/roofline_8b.py's glu=0/1 steps set it to 0 / no limit.
+GLU_FOLD_MAX_BYTES = 32 << 20
 
 
 def available() -> bool:
@@ -166,6 +169,11 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) ->
     """`residual + F.linear(x, weight)` in one kernel (call only where `fused_one_token`)."""
     out = gemv_add(x.reshape(-1).contiguous(), weight, residual.reshape(-1).contiguous())
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def folds_glu(weight: torch.Tensor) -> bool:
+    """Whether SiLU * up goes into the store of this gate/up product (see GLU_FOLD_MAX_BYTES)."""
+    return weight.numel() * weight.element_size() <= GLU_FOLD_MAX_BYTES
 
 
 def rms_glu_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:

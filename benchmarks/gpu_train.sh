@@ -76,6 +76,26 @@ save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t
   tar -C /root -cf /root/drafter.tar drafter-home && split -b 15M /root/drafter.tar "$OUT/drafter.tar.part."
   sha256sum /root/drafter.tar | tee "$OUT/drafter.tar.sha256"
 }
+# `specdec serve --target MODEL ARGS...` in the background until it is ready, N chat completions,
+# its /metrics kept and read by `specdec diagnose`, then stopped.
+#   serve_check NAME MODEL CONTENT MAX_TOKENS N ARGS...
+serve_check() {
+  local name=$1 model=$2 content=$3 max_tokens=$4 n=$5
+  shift 5
+  python3 -m specdec serve --target "$model" "$@" --port 8321 > "$OUT/$name.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 150); do grep -q "ready on" "$OUT/$name.log" && break; sleep 1; done
+  grep -v "Warning\|warnings.warn" "$OUT/$name.log" | head -6
+  for _ in $(seq "$n"); do
+    curl -s -m 60 http://127.0.0.1:8321/v1/chat/completions -H 'Content-Type: application/json' -d \
+      "{\"model\": \"$model\", \"messages\": [{\"role\": \"user\", \"content\": \"$content\"}], \"max_tokens\": $max_tokens}" \
+      | head -c 300; echo
+  done
+  curl -s http://127.0.0.1:8321/metrics > "$OUT/${name}_metrics.txt"
+  grep "^vllm:spec_decode_num_\|^vllm:generation_tokens" "$OUT/${name}_metrics.txt"
+  timeout 60 python3 -m specdec diagnose "$OUT/${name}_metrics.txt" 2>&1 | tail -10
+  kill "$pid"
+}
 case "$1" in
   a)
     stage_first_half
@@ -205,19 +225,8 @@ case "$1" in
     timeout 200 python3 -m specdec eval --target smollm2-135m-instruct --drafter "$D" --k 3 --limit 10 \
       --max-new-tokens 256 --compare-plain --json > "$OUT/eval_fast.json" 2> "$OUT/eval_fast.err"
     tail -3 "$OUT/eval_fast.err"; head -c 700 "$OUT/eval_fast.json"; echo
-    python3 -m specdec serve --target smollm2-135m-instruct --drafter "$D" --num-speculative-tokens 3 --port 8321 \
-      > "$OUT/serve_fast.log" 2>&1 &
-    for _ in $(seq 150); do grep -q "ready on" "$OUT/serve_fast.log" && break; sleep 1; done
-    grep -v Warning "$OUT/serve_fast.log" | head -8
-    for i in 1 2 3; do
-      curl -s -m 60 http://127.0.0.1:8321/v1/chat/completions -H 'Content-Type: application/json' -d \
-        '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Explain what a hash map is."}], "max_tokens": 200}' \
-        | head -c 400; echo
-    done
-    curl -s http://127.0.0.1:8321/metrics > "$OUT/serve_fast_metrics.txt"
-    grep "^vllm:spec_decode\|^vllm:generation_tokens" "$OUT/serve_fast_metrics.txt"
-    timeout 60 python3 -m specdec diagnose "$OUT/serve_fast_metrics.txt" 2>&1 | tail -15
-    kill %1
+    serve_check serve_fast smollm2-135m-instruct "Explain what a hash map is." 200 3 --drafter "$D" \
+      --num-speculative-tokens 3
     ;;
   q)
     TORCH_LOGS=recompiles timeout -s ABRT 240 python3 -X faulthandler benchmarks/drafter_step.py --tree-only \
@@ -231,16 +240,7 @@ case "$1" in
     mkdir -p "$SPECDEC_HOME" && cp -r .devdata/home/data "$SPECDEC_HOME/"
     timeout 90 python3 -m specdec eval --target tiny-llama --ngram 2 --limit 3 --max-new-tokens 32 --device cuda \
       --compare-plain 2>&1 | grep -v "Warning\|warnings.warn" | tail -14
-    python3 -m specdec serve --target tiny-llama --ngram 2 --device cuda --port 8321 > "$OUT/serve_fast.log" 2>&1 &
-    for _ in $(seq 90); do grep -q "ready on" "$OUT/serve_fast.log" && break; sleep 1; done
-    grep -v "Warning\|warnings.warn" "$OUT/serve_fast.log" | head -4
-    for i in 1 2; do
-      curl -s -m 60 http://127.0.0.1:8321/v1/chat/completions -H 'Content-Type: application/json' \
-        -d '{"model": "tiny-llama", "messages": [{"role": "user", "content": "abc abc abc"}], "max_tokens": 40}' \
-        | head -c 300; echo
-    done
-    curl -s http://127.0.0.1:8321/metrics | grep "^vllm:spec_decode_num_\(drafts\|accepted_tokens\)_total"
-    kill %1
+    serve_check serve_fast tiny-llama "abc abc abc" 40 2 --ngram 2 --device cuda
     ;;
   t)
     stage_first_half
@@ -273,19 +273,7 @@ case "$1" in
     timeout 240 python3 -m specdec quickstart --target tiny-llama --prompts 64 --eval-prompts 3 --max-new-tokens 32 \
       --out /root/qs-tiny 2>&1 | grep -v "Warning\|warnings.warn" | tail -16
     D=/root/qs-tiny/train/drafter
-    python3 -m specdec serve --target tiny-llama --drafter "$D" --num-speculative-tokens 3 --device cuda --port 8321 \
-      > "$OUT/serve_eagle_cuda.log" 2>&1 &
-    for _ in $(seq 120); do grep -q "ready on" "$OUT/serve_eagle_cuda.log" && break; sleep 1; done
-    grep -v "Warning\|warnings.warn" "$OUT/serve_eagle_cuda.log" | head -6
-    for i in 1 2 3; do
-      curl -s -m 60 http://127.0.0.1:8321/v1/chat/completions -H 'Content-Type: application/json' \
-        -d '{"model": "tiny-llama", "messages": [{"role": "user", "content": "abc abc abc"}], "max_tokens": 40}' \
-        | head -c 300; echo
-    done
-    curl -s http://127.0.0.1:8321/metrics > "$OUT/serve_eagle_cuda_metrics.txt"
-    grep "^vllm:spec_decode_num_\(drafts\|draft_tokens\|accepted_tokens\)_total" "$OUT/serve_eagle_cuda_metrics.txt"
-    timeout 60 python3 -m specdec diagnose "$OUT/serve_eagle_cuda_metrics.txt" 2>&1 | tail -8
-    kill %1
+    serve_check serve_eagle_cuda tiny-llama "abc abc abc" 40 3 --drafter "$D" --num-speculative-tokens 3 --device cuda
     ;;
   n)
     [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2

@@ -13,9 +13,11 @@ the cache:
     combine kernel  grid (query heads): rescales the partials by their maxima and sums them
                     (flash-decoding's split-K softmax).
 
-The cache write stays in the compiled step (an index_put inductor performs in place): a
-`triton_op` that mutated the caches would be functionalized, and inductor then copied both
-caches of every layer around it (+0.28 ms per step on Llama-3.1-8B shapes, H200). The token's
+The cache write stays in the compiled step (an index_put inductor performs in place). A first
+version wrote the token's key and value itself, as a `triton_op` mutating the caches; torch.compile
+functionalizes such an op, and that version cost +0.28 ms per step on Llama-3.1-8B shapes (4.7 MB
+of cache per layer) where it saved time on SmolLM2's 0.4 MB, as copies of the caches would (H200,
+BENCHMARKS.md; the copies were inferred, not profiled). The token's
 slot is read on the device (the step's staging buffer), so the step stays one CUDA graph.
 Registered with `torch.library.triton_op` like gemv.py's kernels; under Triton's interpreter they
 run on CPU tensors (tests/test_triton_kernels.py).

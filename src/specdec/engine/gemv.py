@@ -51,8 +51,9 @@ _DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
 
 # SiLU * up goes into the gate/up product's store up to this size of gate/up weight, and into a
 # compiled kernel between the MLP's two products above it. Measured on an H200 (BENCHMARKS.md):
-# folded, SmolLM2's 3.5 MB product saves its kernel (0.79 against 0.83 ms per step), while
-# Llama-3.1-8B's 235 MB ones stream ~5% slower with two accumulators (4.58 against 4.49 ms).
+# folded, SmolLM2's 3.5 MB product saves its kernel (0.79-0.81 ms per step, 0.85-0.89 unfolded in
+# earlier calls), while Llama-3.1-8B's 235 MB ones stream ~5% slower with two accumulators (4.58
+# against 4.49 ms in one call).
 # benchmarks/roofline_8b.py's glu=0/1 steps set it to 0 / no limit.
 GLU_FOLD_MAX_BYTES = 32 << 20
 

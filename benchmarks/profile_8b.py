@@ -37,7 +37,7 @@ def family(name: str) -> str:
     n = name.lower()
     if "gemv" in n or "gemm" in n or "cutlass" in n or "sm90" in n or "nvjet" in n or "splitk" in n:
         return "matmul"
-    if "flash" in n or "attention" in n or "fmha" in n or "sdpa" in n:
+    if "flash" in n or "attention" in n or "fmha" in n or "sdpa" in n or n in ("_split_kernel", "_combine_kernel"):
         return "attention"
     if "triton" in n:
         return "triton (fused norms, rope, cache, elementwise)"

@@ -17,10 +17,10 @@ The cache write stays in the compiled step (an index_put inductor performs in pl
 version wrote the token's key and value itself, as a `triton_op` mutating the caches; torch.compile
 functionalizes such an op, and that version cost +0.28 ms per step on Llama-3.1-8B shapes (4.7 MB
 of cache per layer) where it saved time on SmolLM2's 0.4 MB, as copies of the caches would (H200,
-BENCHMARKS.md; the copies were inferred, not profiled). The token's
-slot is read on the device (the step's staging buffer), so the step stays one CUDA graph.
-Registered with `torch.library.triton_op` like gemv.py's kernels; under Triton's interpreter they
-run on CPU tensors (tests/test_triton_kernels.py).
+BENCHMARKS.md; the copies were inferred, not profiled). The token's slot is read on the device
+(the step's staging buffer), so the step stays one CUDA graph. Registered with
+`torch.library.triton_op` like gemv.py's kernels; under Triton's interpreter they run on CPU
+tensors (tests/test_triton_kernels.py).
 """
 
 from __future__ import annotations
@@ -115,6 +115,5 @@ def fits(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> bool:
     power of two of at least 16 (tensor-core tiles), caches of the token's dtype. Shapes, dtypes
     and devices only, so under torch.compile it resolves while tracing."""
     hd = kc.shape[-1]
-    return (runs_on(q) and q.shape[0] == 1 and q.dtype in (torch.bfloat16, torch.float16)
-            and kc.dtype == vc.dtype == q.dtype and kc.is_contiguous() and vc.is_contiguous()
-            and hd >= 16 and hd & (hd - 1) == 0)
+    return (runs_on(q) and q.shape[0] == 1 and kc.dtype == vc.dtype == q.dtype
+            and kc.is_contiguous() and vc.is_contiguous() and hd >= 16 and hd & (hd - 1) == 0)

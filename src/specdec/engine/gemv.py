@@ -63,8 +63,9 @@ def available() -> bool:
 
 
 def runs_on(x: torch.Tensor) -> bool:
-    """Whether Triton kernels can take `x`: a CUDA tensor (or any, under the interpreter)."""
-    return triton is not None and x.device.type in _DEVICES
+    """Whether the fast path's Triton kernels can take `x`: bf16 or fp16, on CUDA (or any device,
+    under the interpreter)."""
+    return triton is not None and x.device.type in _DEVICES and x.dtype in (torch.bfloat16, torch.float16)
 
 
 if triton is not None:
@@ -148,8 +149,7 @@ if triton is not None:
 def fused_one_token(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernels apply: one bf16/fp16 row on CUDA, a contiguous weight of its dtype. The
     tests are on shapes, dtype and device, so under torch.compile they resolve while tracing."""
-    return (runs_on(x) and x.numel() == x.shape[-1]
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
+    return runs_on(x) and x.numel() == x.shape[-1] and weight.dtype == x.dtype and weight.is_contiguous()
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

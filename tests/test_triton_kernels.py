@@ -49,37 +49,71 @@ def test_gemv_variants_match_torch(n, k):
     _close(gemv.gemv_rms_glu(x, g, wgu, 1e-5)[0], want, want.abs().max())
 
 
-# (query heads, kv heads, head size, cache slots, the token's slot): GQA groups of 2, 3 (not a power
-# of two, SmolLM2's) and 4 (Llama-3's); the first and the last slot; a cache that does not divide
-# into the kernel's blocks.
-@pytest.mark.parametrize("nh,nkv,hd,S,slot", [(4, 2, 16, 96, 37), (9, 3, 64, 128, 0), (9, 3, 64, 128, 127),
-                                              (8, 2, 32, 70, 45)])
-def test_decode_attention_matches_softmax_attention(nh, nkv, hd, S, slot):
-    q = _randn(nh, hd, seed=slot)
-    kc, vc = _randn(nkv, S, hd, seed=10), _randn(nkv, S, hd, seed=11)
-    # Slots past the token's hold garbage a kernel must not read (NaN would spread).
-    kc[:, slot + 1 :], vc[:, slot + 1 :] = float("nan"), float("nan")
-    keys = kc[:, : slot + 1].float().cpu().repeat_interleave(nh // nkv, 0)
-    vals = vc[:, : slot + 1].float().cpu().repeat_interleave(nh // nkv, 0)
-    p = torch.softmax(q.float().cpu()[:, None, :] @ keys.transpose(1, 2) / math.sqrt(hd), dim=-1)
-    want = (p @ vals).reshape(1, -1)
-    out = decode_attention.decode_attention(q, kc, vc, torch.tensor([slot], device=DEV), hd**-0.5)
-    _close(out, want, 1.0)
-    assert torch.isnan(kc[:, slot + 1 :]).all() and torch.isnan(vc[:, slot + 1 :]).all()  # untouched
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# A tree of 5 tokens: 0 the root, 1 and 2 its children, 3 under 1, 4 under 2 (each sees its ancestors).
+TREE = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]])
+
+
+# (query heads, kv heads, head size, cache slots, the step's first slot, its tree mask): GQA groups
+# of 2, 3 (not a power of two, SmolLM2's) and 4 (Llama-3's); one token at the first and at the
+# last slot; a cache that does not divide into the kernel's blocks; a chain of 8 tokens (32 rows,
+# a verify step on Llama-3 shapes) across a block boundary; a tree.
+@pytest.mark.parametrize("nh,nkv,hd,S,slot0,tm", [
+    (4, 2, 16, 96, 37, torch.ones(1, 1)), (9, 3, 64, 128, 0, torch.ones(1, 1)),
+    (9, 3, 64, 128, 127, torch.ones(1, 1)), (8, 2, 32, 70, 45, torch.ones(1, 1)),
+    (8, 2, 32, 96, 27, torch.ones(8, 8).tril()), (9, 3, 64, 128, 60, TREE), (4, 2, 16, 64, 0, TREE),
+])
+def test_step_attention_matches_softmax_attention(nh, nkv, hd, S, slot0, tm):
+    T = tm.shape[0]
+    qkv = _randn(T, (nh + 2 * nkv) * hd, seed=slot0)  # the kernel reads (and ropes) the queries only
+    angle = torch.arange(slot0, slot0 + T)[:, None] * 10000.0 ** (-torch.arange(0, hd, 2) / hd)
+    cos, sin = (f(torch.cat((angle, angle), -1)).to(DEV, torch.bfloat16) for f in (torch.cos, torch.sin))
+    kv = _randn(2, nkv, S, hd, seed=10)
+    # Slots past the step's hold garbage a kernel must not read (NaN would spread).
+    kv[:, :, slot0 + T :] = float("nan")
+    q = qkv[:, : nh * hd].view(T, nh, hd)
+    q = (q * cos[:, None] + _rotate_half(q) * sin[:, None]).float().cpu()  # HF's rope, in bf16
+    keys, vals = (c[:, : slot0 + T].float().cpu().repeat_interleave(nh // nkv, 0) for c in kv)
+    scores = torch.einsum("thd,hsd->ths", q, keys) / math.sqrt(hd)  # shape: [T, nh, slots]
+    seen = torch.cat((torch.ones(T, slot0, dtype=torch.bool), tm != 0), dim=1)
+    p = torch.softmax(scores.masked_fill(~seen[:, None], float("-inf")), dim=-1)
+    want = torch.einsum("ths,hsd->thd", p, vals).reshape(T, nh * hd)
+    out = decode_attention.decode_attention(qkv, cos, sin, kv, torch.arange(slot0, slot0 + T, device=DEV),
+                                            tm.to(DEV, torch.int64), nh, hd**-0.5)
+    _close(out, want, want.abs().max())  # a mask that lets a token see later ones is ~0.3-1 off
+    assert torch.isnan(kv[:, :, slot0 + T :]).all()  # untouched
+
+
+def test_split_argmax_matches_argmax():
+    from specdec.engine.fast import split_argmax
+
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
+    logits[1, 517] = logits[1, 901] = 10.0  # a tie: the first index wins, as with argmax
+    logits[2, 999] = 10.0  # in the padded last chunk
+    assert split_argmax(logits, chunks=64).tolist() == logits.argmax(-1).tolist() == [logits[0].argmax(), 517, 999]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a q/k/v bias after the fused product
-def test_one_token_steps_through_the_kernels_match_hf(tiny_targets, arch, monkeypatch):
+def test_steps_through_the_kernels_match_hf(tiny_targets, arch, monkeypatch):
     """Decode steps of one token run every fused kernel: norms, residual adds and SiLU * up folded
-    into the products, attention in decode_attention. Four steps in a row, so a key or value cached
-    in the wrong slot shows in the next step."""
+    into the products, attention in decode_attention; a prefill of 8 tokens and a verify step of 3
+    run the attention kernels with cuBLAS products. Steps in a row, so a key or value cached in the
+    wrong slot shows in the next step."""
     model = copy.deepcopy(tiny_targets[arch].model).to(DEV, torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # norm weights of their own (a fresh model's are all ones)
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-    prompt = torch.randint(0, 250, (9,), generator=gen).tolist()
+    ids = torch.randint(0, 250, (8,), generator=gen).tolist()
+    with torch.no_grad():  # HF's greedy continuation, and its logits at every position
+        seq = model.generate(torch.tensor([ids], device=DEV), max_new_tokens=7, do_sample=False)
+        ref = model(input_ids=seq).logits[0].float().cpu()
+    ids = seq[0].tolist()
     fused = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
     calls = {"attention": 0, "glu": 0}
     for mod, name, key in ((decode_attention, "decode_attention", "attention"), (gemv, "gemv_rms_glu", "glu")):
@@ -89,16 +123,18 @@ def test_one_token_steps_through_the_kernels_match_hf(tiny_targets, arch, monkey
             return real(*a)
 
         monkeypatch.setattr(mod, name, counted)
-    ids = list(prompt)
-    fused.step(prompt[:8], list(range(8)), 0, _causal(8), 8)
-    assert calls == {"attention": 0, "glu": 0}  # 8 rows: the unfused path
     layers = model.config.num_hidden_layers
+
+    def check(got, want):
+        # bf16 through 4 layers (and the interpreter's truncation): ~1.1% from HF; a norm weight, a
+        # residual or a mask wired wrong is ~50% off.
+        for g, w in zip(got.float().cpu(), want):
+            assert (g - w).norm() <= 0.03 * w.norm()
+
+    check(fused.step(ids[:8], list(range(8)), 0, _causal(8), 8).logits, ref[:8])
+    assert calls == {"attention": layers, "glu": 0}  # 8 rows: attention kernels, cuBLAS products
     for t in range(8, 12):
-        got = fused.step([ids[t]], [t], t, _causal(1), 1).logits[0].float().cpu()
-        with torch.no_grad():
-            ref = model(input_ids=torch.tensor([ids[: t + 1]], device=DEV)).logits[0, -1].float().cpu()
-        assert calls == {"attention": layers * (t - 7), "glu": layers * (t - 7)}
-        # bf16 through 4 layers (and the interpreter's truncation): ~1.1% from HF; a norm weight or a
-        # residual wired wrong is ~50% off.
-        assert (got - ref).norm() <= 0.03 * ref.norm()
-        ids.append(int(ref.argmax()))
+        check(fused.step([ids[t]], [t], t, _causal(1), 1).logits, ref[t : t + 1])
+        assert calls == {"attention": layers * (t - 6), "glu": layers * (t - 7)}
+    check(fused.step(ids[12:15], [12, 13, 14], 12, _causal(3), 3).logits, ref[12:15])  # a verify step
+    assert calls == {"attention": layers * 6, "glu": layers * 4}

@@ -211,5 +211,5 @@ def decoder_step_ms(dec, T: int, *, slot0: int, iters: int = 50, seed: int = 0) 
 def randomize_cache(dec, seed: int = 0) -> None:
     """Random keys and values everywhere (never time attention over zeros)."""
     g = torch.Generator(device=dec.device).manual_seed(seed)
-    for t in (*dec.kc, *dec.vc):
+    for t in dec.kv:
         t.normal_(generator=g)

@@ -136,8 +136,8 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
     """One decoder layer over T tokens. Every argument is a tensor (or None), so one compiled
     graph serves all layers. With `gemv`, a one-token step runs gemv.py's Triton products, each
     RMSNorm and residual add folded into its product and, for small MLPs, SiLU * up into the
-    gate/up product's store; with `attention_kernel` (default: as `gemv`), its attention runs as
-    decode_attention.py's kernels."""
+    gate/up product's store; with `attention_kernel` (default: as `gemv`), the attention of a step
+    of few tokens (one-token decode, short verify steps) runs as decode_attention.py's kernels."""
     kernel = gemv if attention_kernel is None else attention_kernel
     nh, nkv, hd, g, eps = s.heads, s.kv_heads, s.head_dim, s.groups, s.eps
     scale = hd**-0.5
@@ -154,30 +154,30 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
             return linear_add(x, w, residual)
         return residual + linear(x, w, b)
 
-    def attention(qkv, qn, kn, kc, vc, cos, sin, slots, mask):
+    def attention(qkv, qn, kn, kv, cos, sin, slots, mask, tm):
         T = qkv.shape[0]
         q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
         if qn is not None:  # Qwen3: per-head RMSNorm before rope
             q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
         c, sn = cos[:, None, :], sin[:, None, :]
-        q = q * c + _rotate_half(q) * sn
         k = k * c + _rotate_half(k) * sn
-        kc[:, slots] = k.transpose(0, 1)  # kc shape: [nkv, S, hd]; index_put_, reinplaced
-        vc[:, slots] = v.transpose(0, 1)
-        if kernel and decode_attention.fits(q, kc, vc):
-            return decode_attention.decode_attention(q.reshape(nh, hd).contiguous(), kc, vc, slots, scale)
+        # kv shape: [2, nkv, S, hd]; one index_put_ for keys and values, reinplaced
+        kv[:, :, slots] = torch.stack((k, v)).transpose(1, 2)
+        if kernel and qn is None and decode_attention.fits(qkv, kv, nh):
+            return decode_attention.decode_attention(qkv, cos, sin, kv, slots, tm, nh, scale)  # ropes q itself
+        q = q * c + _rotate_half(q) * sn
         # GQA without repeating the cache: the g query heads of one kv head become g*T rows.
         qg = q.view(T, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * T, hd)
-        att = torch.matmul(qg, kc.transpose(1, 2)) * scale  # shape: [nkv, gT, S]
+        att = torch.matmul(qg, kv[0].transpose(1, 2)) * scale  # shape: [nkv, gT, S]
         att = att + mask
         att = torch.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(att, vc)  # shape: [nkv, gT, hd]
+        o = torch.matmul(att, kv[1])  # shape: [nkv, gT, hd]
         return o.view(nkv, g, T, hd).permute(2, 0, 1, 3).reshape(T, nh * hd)
 
-    def layer(x, ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd, kc, vc, cos, sin, slots, mask):
+    def layer(x, ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd, kv, cos, sin, slots, mask, tm):
         qkv = norm_linear(x, ln1, wqkv, bqkv)  # shape: [T, (nh + 2 nkv) hd]
-        x = add_linear(x, attention(qkv, qn, kn, kc, vc, cos, sin, slots, mask), wo, bo)
+        x = add_linear(x, attention(qkv, qn, kn, kv, cos, sin, slots, mask, tm), wo, bo)
         if gemv and bgu is None and fused_one_token(x, wgu) and folds_glu(wgu):
             act = rms_glu_linear(x, ln2, eps, wgu)
         else:
@@ -189,7 +189,8 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
 
 
 def make_prep_fn(s: Shapes, cache_len: int):
-    """Unpack the staging buffer: embeddings, rope rows, cache slots and the additive mask."""
+    """Unpack the staging buffer: embeddings, rope rows, cache slots, the additive mask [gT, S] (for
+    the compiled attention) and the tree mask [T, T] (for decode_attention's kernels)."""
     g = s.groups
 
     def prep(staging, embed, cos_t, sin_t):
@@ -205,9 +206,21 @@ def make_prep_fn(s: Shapes, cache_len: int):
         mask = torch.zeros(T, cache_len, dtype=embed.dtype, device=staging.device)
         mask = mask.masked_fill(~allowed, torch.finfo(embed.dtype).min).repeat(g, 1)  # [gT, S]
         slots = slot0 + torch.arange(T, device=staging.device)
-        return x, cos, sin, slots, mask
+        return x, cos, sin, slots, mask, staging[1 + 2 * T :].view(T, T)
 
     return prep
+
+
+def split_argmax(logits: torch.Tensor, chunks: int = 64) -> torch.Tensor:
+    """`logits.argmax(-1)` in two reductions: inductor reduces a row in one program, 30 us for
+    Llama-3's 128K logits on an H200 (profile_8b.py); `chunks` programs per row, then one over
+    their maxima. Ties go to the first index, as with argmax (max over a dim returns the first)."""
+    T, V = logits.shape
+    n = -(-V // chunks)
+    padded = F.pad(logits, (0, n * chunks - V), value=float("-inf"))
+    vals, idx = padded.view(T, chunks, n).max(dim=-1)
+    best = vals.argmax(dim=-1, keepdim=True)
+    return (best * n + idx.gather(-1, best)).squeeze(-1)
 
 
 def make_head_fn(s: Shapes, gemv: bool = False):
@@ -219,7 +232,7 @@ def make_head_fn(s: Shapes, gemv: bool = False):
             logits = rms_linear(x, norm_w, eps, lm_w)
         else:
             logits = linear(rms_norm(x, norm_w, eps), lm_w)  # shape: [T, V]
-        return logits, logits.argmax(dim=-1)
+        return logits, split_argmax(logits) if gemv else logits.argmax(dim=-1)
 
     return head
 
@@ -329,9 +342,10 @@ class FastDecoder:
             self.norm_w = inner.norm.weight.data
             self.lm_w = model.get_output_embeddings().weight.data
             self.cos, self.sin = _rope_tables(model, self.cache_len, self.device, self.dtype)
-            shape = (s.kv_heads, self.cache_len, s.head_dim)
-            self.kc = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
-            self.vc = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
+            # A layer's keys and values in one tensor [2, kv heads, slots, head size], so a step
+            # writes both with one kernel.
+            shape = (2, s.kv_heads, self.cache_len, s.head_dim)
+            self.kv = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
         self.aux_layer_ids = list(aux_layer_ids or [])
         self.last_state = last_state
         self._layer = make_layer_fn(s)
@@ -427,13 +441,13 @@ class FastDecoder:
 
     # -- one step ------------------------------------------------------------------------
     def _run(self, staging: torch.Tensor, capture: bool):
-        x, cos, sin, slots, mask = self._prep(staging, self.embed, self.cos, self.sin)
+        x, cos, sin, slots, mask, tm = self._prep(staging, self.embed, self.cos, self.sin)
         states = {}
         L = self.shapes.num_layers
         for i, lw in enumerate(self.layers):
             if capture and i in self.aux_layer_ids:
                 states[i] = x
-            x = self._layer(x, *lw.args(), self.kc[i], self.vc[i], cos, sin, slots, mask)
+            x = self._layer(x, *lw.args(), self.kv[i], cos, sin, slots, mask, tm)
         aux = None
         if capture:
             if L in self.aux_layer_ids:
@@ -485,9 +499,8 @@ class FastDecoder:
         if not self.use_graphs:
             idx = torch.tensor(src, device=self.device)
             dst = torch.arange(dst_start, dst_start + n, device=self.device)
-            for kc, vc in zip(self.kc, self.vc):
-                kc.index_copy_(1, dst, kc.index_select(1, idx))
-                vc.index_copy_(1, dst, vc.index_select(1, idx))
+            for kv in self.kv:
+                kv.index_copy_(2, dst, kv.index_select(2, idx))
             return
         width = 1 << max(0, (n - 1).bit_length())
         entry = self._compact.get(width)
@@ -496,9 +509,8 @@ class FastDecoder:
             host = torch.empty((2, width), dtype=torch.int64, pin_memory=True)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                for kc, vc in zip(self.kc, self.vc):
-                    kc.index_copy_(1, buf[1], kc.index_select(1, buf[0]))
-                    vc.index_copy_(1, buf[1], vc.index_select(1, buf[0]))
+                for kv in self.kv:
+                    kv.index_copy_(2, buf[1], kv.index_select(2, buf[0]))
             entry = self._compact[width] = (g, buf, host)
         g, buf, host = entry
         host.fill_(self.cache_len - 1)  # padding copies the scratch slot onto itself

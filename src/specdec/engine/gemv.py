@@ -104,9 +104,10 @@ if triton is not None:
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
 
     # Block sizes are tuned per shape on the GPU; the interpreter has no timer to tune with.
+    # Four warps keep more programs resident per SM, for more loads in flight on the narrow shapes.
     _gemv_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=8, num_stages=1)
-                 for bn in (2, 4, 8, 16) for bk in (512, 1024)],
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=1)
+                 for bn in (2, 4, 8, 16) for bk in (512, 1024) for w in (4, 8)],
         key=["N", "K", "GLU"],
     )(_gemv_kernel)
 

@@ -32,8 +32,9 @@
 #                                    # logits against HF over a filled cache, SmolLM2 shapes
 #   bash benchmarks/gpu_train.sh x   # `specdec quickstart` on CUDA with a tiny random Llama, then `specdec serve` with
 #                                    # its EAGLE-3 drafter on the CUDA fast path (carry .devdata/home and .whl)
-#   bash benchmarks/gpu_train.sh y   # attention kernels for verify steps too (query rope and one cache write per layer),
-#                                    # split argmax: kernel tests on CUDA, 8B steps of 1..16 tokens, the 8B profile
+#   bash benchmarks/gpu_train.sh y   # verify steps on Triton too (rows_gemm, attention kernels with the query rope),
+#                                    # one cache write per layer, split argmax: kernel tests on CUDA, 8B steps of
+#                                    # 1..16 tokens against cuBLAS and the compiled attention, 8B profiles
 #   bash benchmarks/gpu_train.sh z   # (after y, same machine or not) SmolLM2 shapes: steps of 1..8 tokens, plain and
 #                                    # EAGLE-3 engine steps (random weights)
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
@@ -281,18 +282,20 @@ case "$1" in
     ;;
   y)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -4
-    timeout 330 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_verify --budget-s 290 \
-      --plan "nocd:1,8;products:1,8;default:1,2,4,8,16;check_decode;check1" 2>&1 \
-      | grep -v "Warning\|warnings.warn" | tail -20
-    timeout 110 python3 benchmarks/profile_8b.py --out "$OUT" --gemv-budget-s 0 2>&1 | grep -v Warning | tail -3
+    timeout 300 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_rows --budget-s 250 \
+      --plan "nocd:1,2,8;products:1,2,4,8,16;default:1,2,4,8,16;check_decode;check;check1;rows=0;default:1,2,8;rows=16;att=0;default:1,8" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -30
+    timeout 150 python3 benchmarks/profile_8b.py --out "$OUT" --gemv-budget-s 0 --profiles default@1,products@1,default@8 \
+      2>&1 | grep -v Warning | tail -4
     ;;
   z)
-    timeout 150 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_verify --budget-s 120 \
-      --plan "hf;cd:1;products:1,4,8;default:1,2,4,6,8;e2e" 2>&1 | grep -v "Warning\|warnings.warn" | tail -16
+    timeout 170 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_rows --budget-s 140 \
+      --plan "hf;cd:1;products:1,4,8;default:1,2,4,6,8;e2e;rows=0;default:4,8;rows=16;att=0;default:1,4,8" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -22
     timeout 240 python3 benchmarks/drafter_step.py --tree-only --rounds 0 --e2e \
       --e2e-rows eagle3-k3-static,eagle3-k5-static,eagle3-tree-static --out "$OUT" \
-      > "$OUT/drafter_step_verify.log" 2>&1
-    grep "e2e\|Error\|error" "$OUT/drafter_step_verify.log" | grep -v Warning | tail -12
+      > "$OUT/drafter_step_rows.log" 2>&1
+    grep "e2e\|Error\|error" "$OUT/drafter_step_rows.log" | grep -v Warning | tail -12
     ;;
   n)
     [ -f "$GGUF_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" ] || assemble_smollm2

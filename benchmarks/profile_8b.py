@@ -44,9 +44,9 @@ def family(name: str) -> str:
     return "other"
 
 
-def profile_step(dec: FastDecoder, ctx: int, steps: int = 20) -> dict:
-    b = dec._buffers(1, False)
-    dec._fill(b, [5], [ctx], ctx, _causal(1))
+def profile_step(dec: FastDecoder, ctx: int, steps: int = 20, T: int = 1) -> dict:
+    b = dec._buffers(T, False)
+    dec._fill(b, [5] * T, list(range(ctx, ctx + T)), ctx, _causal(T))
     b.staging.copy_(b.host)
     with torch.no_grad():
         for _ in range(3):
@@ -154,6 +154,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--gemv-budget-s", type=float, default=120)
+    ap.add_argument("--profiles", default="default@1",
+                    help="steps to profile, VARIANT@T comma-separated: default (the fast path) or products "
+                         "(its attention compiled, not decode_attention's kernels), T tokens per step")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -170,12 +173,18 @@ def main() -> None:
     model = random_model(llama31_8b_config(), device="cuda", dtype=torch.bfloat16)
     dec = FastDecoder(model, max_len=args.max_len, pad=64)
     randomize_cache(dec)
-    t0 = time.time()
-    dec.optimize(compile=True, cuda_graphs=False, coordinate_descent=False)
-    res["profile"] = profile_step(dec, args.ctx)
-    res["profile"]["compile_s"] = time.time() - t0
-    print(json.dumps({k: v for k, v in res["profile"].items() if k != "top_kernels"}), flush=True)
-    (out / "profile_8b.json").write_text(json.dumps(res, indent=2) + "\n")
+    for entry in args.profiles.split(","):
+        variant, _, T = entry.partition("@")
+        t0 = time.time()
+        torch._dynamo.reset()
+        dec.optimize(compile=True, cuda_graphs=False, coordinate_descent=False,
+                     attention_kernel=None if variant == "default" else False)
+        prof = profile_step(dec, args.ctx, T=int(T or 1))
+        prof["compile_s"] = time.time() - t0
+        res.setdefault("profiles", {})[entry] = prof
+        res.setdefault("profile", prof)  # the first, under the key earlier runs used
+        print(entry, json.dumps({k: v for k, v in prof.items() if k != "top_kernels"}), flush=True)
+        (out / "profile_8b.json").write_text(json.dumps(res, indent=2) + "\n")
     torch._dynamo.reset()
     dec.optimize(compile=True, cuda_graphs=True, coordinate_descent=False)
     dec._buffers(1, False)

@@ -10,11 +10,11 @@ Variants, each a separate compile (torch._dynamo.reset() between them):
     cd         inductor + coordinate_descent_tuning (matrix-vector products become tuned
                Triton reductions), one CUDA graph
     nocd       inductor without coordinate-descent tuning (cuBLAS GEMV for one token)
-    products   nocd with gemv.py's kernels for one token (norms and residual adds folded into the
-               products, SiLU * up too below engine/gemv.py's GLU_FOLD_MAX_BYTES), attention as
-               compiled ops
-    default    products + decode_attention.py's attention kernels (rope and cache write stay
-               compiled)                                   <- the fast path
+    products   nocd with gemv.py's kernels (one token: norms and residual adds folded into the
+               products, SiLU * up too below engine/gemv.py's GLU_FOLD_MAX_BYTES; 2..16 tokens:
+               rows_gemm), attention as compiled ops
+    default    products + decode_attention.py's attention kernels for steps of up to 64 query
+               rows per kv head (the key rope and cache write stay compiled)   <- the fast path
     autotune   mode="max-autotune-no-cudagraphs" + coordinate descent (Triton GEMM templates
                for the small-M verify matmuls)
 A --budget-s guard skips what would not finish; the JSON says what was skipped.
@@ -37,10 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from specdec.bench.roofline import (  # noqa: E402
-    copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kv_bytes_per_token,
+    apply_knob, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kv_bytes_per_token,
     llama31_8b_config, random_model, randomize_cache, weight_bytes,
 )
-from specdec.engine import decode_attention, gemv  # noqa: E402
 from specdec.engine.fast import FastDecoder, _causal  # noqa: E402
 
 VARIANTS = {
@@ -64,8 +63,10 @@ def main() -> int:
     ap.add_argument("--plan", default="graph:1,8;cd:1;check;hf;cd:8,16,2,4;nocd:1;autotune:8",
                     help="steps in order: VARIANT:T,T,...  |  check (logits vs HF)  |  check_decode (one-token "
                          "steps after a prefill, vs HF)  |  hf (HF eager ms/token)  |  bs=N (attention "
-                         "kernel block, default 32)  |  glu=0/1 (SiLU * up never / always folded); "
-                         "bs= and glu= hold from the next variant on and tag its results")
+                         "kernel block, default 32)  |  glu=0/1 (SiLU * up never / always folded)  |  "
+                         "rows=N (steps of 2..N tokens through rows_gemm, 0: cuBLAS)  |  att=N "
+                         "(attention kernels up to N query rows, 0: never); these hold from the next "
+                         "variant on and tag its results")
     ap.add_argument("--tag", default="roofline_8b", help="name of the JSON file written under --out")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny random llama")
     args = ap.parse_args()
@@ -108,7 +109,7 @@ def main() -> int:
     save()
 
     current = None
-    tags: dict[str, str] = {}  # what bs= and glu= steps changed, appended to result keys
+    tags: dict[str, str] = {}  # what knob steps (glu=, bs=, rows=, att=) changed, appended to result keys
     for step in args.plan.split(";"):
         name, _, ts = step.partition(":")
         if time.time() - t_start > args.budget_s:
@@ -116,14 +117,7 @@ def main() -> int:
             save()
             continue
         try:
-            if name.startswith("glu="):  # SiLU * up folded into the gate/up product always or never
-                gemv.GLU_FOLD_MAX_BYTES = 1 << 62 if name == "glu=1" else 0
-                tags["glu"] = "@glu" if name == "glu=1" else "@noglu"
-                current = None
-            elif name.startswith("bs="):  # the attention kernel's block of cache slots
-                decode_attention.BLOCK_S = int(name[3:])
-                tags["bs"] = "" if decode_attention.BLOCK_S == 32 else f"@bs{decode_attention.BLOCK_S}"
-                res.setdefault("block_s_by_step", []).append(step)
+            if apply_knob(name, tags):
                 current = None
             elif name == "hf":
                 res["hf_eager_ms"] = hf_decode_ms(model, prompt_len=args.ctx, steps=12)
@@ -160,7 +154,7 @@ def main() -> int:
                     setup = time.time() - t0
                     r = decoder_step_ms(dec, T, slot0=args.ctx)
                     r["compile_and_capture_s"] = setup
-                    key = name + tags.get("bs", "") + tags.get("glu", "")
+                    key = name + "".join(tags.values())
                     res["variants"].setdefault(key, {})[str(T)] = r
                     print(f"{key} T={T}: {r['ms']:.3f} ms (setup {setup:.0f} s)", flush=True)
                     save()

@@ -8,7 +8,10 @@ depends only on shapes, agreement and the bench table need the real weights.
 
 Steps (--plan, in order; a --budget-s guard skips what would not finish):
     hf          HF eager ms/token (DynamicCache, greedy, one token per forward)
-    V:T,T       fast-path step replay ms for bucket sizes T under variant V (graph | cd | nocd)
+    V:T,T       fast-path step replay ms for bucket sizes T under variant V (graph | cd | nocd |
+                products | default, as in roofline_8b.py)
+    K=N         a kernel knob (glu=, bs=, rows=, att=; specdec.bench.roofline.KNOBS) for the
+                variants after it, which tags their results
     e2e         FastEngine.generate ms/token over 256 tokens, host work and prefill included
     fp32        fp32 on the GPU (TF32 off): FastEngine plain and n-gram vs the reference engine
     bench       specdec.bench.runs.run_bench: HF generate, HF prompt lookup, specdec plain, n-gram
@@ -33,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from specdec.bench.roofline import (  # noqa: E402
-    copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kv_bytes_per_token,
+    apply_knob, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kv_bytes_per_token,
     random_model, randomize_cache, smollm2_135m_config, weight_bytes,
 )
 from specdec.engine.api import SamplingParams  # noqa: E402
@@ -123,13 +126,16 @@ def main() -> int:
     randomize_cache(dec)
     save()
     current = None
+    tags: dict[str, str] = {}  # what knob steps (rows=, att=, ...) changed, appended to result keys
     for step in args.plan.split(";"):
         name, _, ts = step.partition(":")
         if time.time() - t_start > args.budget_s:
             res["skipped"].append(step)
             continue
         try:
-            if name == "hf":
+            if apply_knob(name, tags):
+                current = None
+            elif name == "hf":
                 res["hf_eager_ms"] = hf_decode_ms(target.model, prompt_len=args.ctx, steps=24)
                 print(f"HF eager {res['hf_eager_ms']:.2f} ms/token", flush=True)
             elif name == "e2e":
@@ -166,8 +172,9 @@ def main() -> int:
                     setup = time.time() - t0
                     r = decoder_step_ms(dec, T, slot0=args.ctx)
                     r["compile_and_capture_s"] = setup
-                    res["variants"].setdefault(name, {})[str(T)] = r
-                    print(f"{name} T={T}: {r['ms']:.3f} ms (setup {setup:.0f} s)", flush=True)
+                    key = name + "".join(tags.values())
+                    res["variants"].setdefault(key, {})[str(T)] = r
+                    print(f"{key} T={T}: {r['ms']:.3f} ms (setup {setup:.0f} s)", flush=True)
                     save()
         except Exception as e:
             res["errors"].append({"step": step, "error": f"{type(e).__name__}: {e}"[:2000],

@@ -49,6 +49,17 @@ def test_gemv_variants_match_torch(n, k):
     _close(gemv.gemv_rms_glu(x, g, wgu, 1e-5)[0], want, want.abs().max())
 
 
+@pytest.mark.parametrize("t,n,k", [(2, 40, 96), (5, 259, 64), (16, 33, 200)])  # off the block sizes
+def test_rows_gemm_matches_torch(t, n, k):
+    x, w, b = _randn(t, k, seed=6), _randn(n, k, seed=7), _randn(n, seed=8)
+    want = x.float() @ w.float().T
+    _close(gemv.rows_gemm(x, w), want, want.abs().max())
+    # gemv_linear sends 2..ROWS_MAX rows of any leading shape there, the bias added after
+    assert gemv.few_rows(x, w)
+    want = want + b.float()
+    _close(gemv.gemv_linear(x.view(1, t, k), w, b)[0], want, want.abs().max())
+
+
 def _rotate_half(x):
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -101,7 +112,7 @@ def test_split_argmax_matches_argmax():
 def test_steps_through_the_kernels_match_hf(tiny_targets, arch, monkeypatch):
     """Decode steps of one token run every fused kernel: norms, residual adds and SiLU * up folded
     into the products, attention in decode_attention; a prefill of 8 tokens and a verify step of 3
-    run the attention kernels with cuBLAS products. Steps in a row, so a key or value cached in the
+    run the attention kernels and rows_gemm. Steps in a row, so a key or value cached in the
     wrong slot shows in the next step."""
     model = copy.deepcopy(tiny_targets[arch].model).to(DEV, torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
@@ -115,8 +126,9 @@ def test_steps_through_the_kernels_match_hf(tiny_targets, arch, monkeypatch):
         ref = model(input_ids=seq).logits[0].float().cpu()
     ids = seq[0].tolist()
     fused = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
-    calls = {"attention": 0, "glu": 0}
-    for mod, name, key in ((decode_attention, "decode_attention", "attention"), (gemv, "gemv_rms_glu", "glu")):
+    calls = {"attention": 0, "glu": 0, "rows": 0}
+    for mod, name, key in ((decode_attention, "decode_attention", "attention"), (gemv, "gemv_rms_glu", "glu"),
+                           (gemv, "rows_gemm", "rows")):
 
         def counted(*a, real=getattr(mod, name), key=key):
             calls[key] += 1
@@ -132,9 +144,10 @@ def test_steps_through_the_kernels_match_hf(tiny_targets, arch, monkeypatch):
             assert (g - w).norm() <= 0.03 * w.norm()
 
     check(fused.step(ids[:8], list(range(8)), 0, _causal(8), 8).logits, ref[:8])
-    assert calls == {"attention": layers, "glu": 0}  # 8 rows: attention kernels, cuBLAS products
+    products = layers * 4 + 1  # q/k/v, o, gate/up and down in every layer, then the lm head
+    assert calls == {"attention": layers, "glu": 0, "rows": products}  # 8 rows: attention kernels, rows_gemm
     for t in range(8, 12):
         check(fused.step([ids[t]], [t], t, _causal(1), 1).logits, ref[t : t + 1])
-        assert calls == {"attention": layers * (t - 6), "glu": layers * (t - 7)}
+        assert calls == {"attention": layers * (t - 6), "glu": layers * (t - 7), "rows": products}
     check(fused.step(ids[12:15], [12, 13, 14], 12, _causal(3), 3).logits, ref[12:15])  # a verify step
-    assert calls == {"attention": layers * 6, "glu": layers * 4}
+    assert calls == {"attention": layers * 6, "glu": layers * 4, "rows": 2 * products}

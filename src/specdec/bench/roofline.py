@@ -213,3 +213,28 @@ def randomize_cache(dec, seed: int = 0) -> None:
     g = torch.Generator(device=dec.device).manual_seed(seed)
     for t in dec.kv:
         t.normal_(generator=g)
+
+
+# Plan steps of benchmarks/roofline_8b.py and smollm2.py that set one of the fast path's kernel
+# constants for the variants after them; the name tags their results.
+KNOBS = {
+    "glu": ("gemv", "GLU_FOLD_MAX_BYTES", lambda v: 1 << 62 if v else 0, 32 << 20),  # glu=1: always fold
+    "bs": ("decode_attention", "BLOCK_S", int, 32),  # cache slots per attention split program
+    "rows": ("gemv", "ROWS_MAX", int, 16),  # steps of 2..N tokens through rows_gemm (0: cuBLAS)
+    "att": ("decode_attention", "MAX_ROWS", int, 64),  # attention kernels up to N query rows (0: never)
+}
+
+
+def apply_knob(step: str, tags: dict) -> bool:
+    """If `step` is NAME=VALUE for a name in KNOBS, set that constant and record its tag in `tags`
+    (empty at the shipped value); returns whether it was a knob. Variants compiled after it see it."""
+    import importlib
+
+    name, eq, value = step.partition("=")
+    if not eq or name not in KNOBS:
+        return False
+    module, attr, convert, shipped = KNOBS[name]
+    v = convert(int(value))
+    setattr(importlib.import_module(f"specdec.engine.{module}"), attr, v)
+    tags[name] = "" if v == shipped else f"@{name}{value}"
+    return True

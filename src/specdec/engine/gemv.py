@@ -19,8 +19,11 @@ launch and a gap in the graph for microseconds of work:
 All stay in fp32 up to the one rounding of the output, where HF rounds the normed x and the
 product to bf16 on the way: the logits differ by that rounding (relative error against HF's
 forward 0.037, cuBLAS's path 0.040, on Llama-3.1-8B shapes with random weights).
-Verifying 2..16 tokens stays on cuBLAS: a Triton few-rows kernel (tensor-core tiles, rows padded
-to 16) was slower on the H200 at every size (4.99 against 4.86 ms at 2 tokens on 8B shapes).
+Steps of 2..16 tokens (verification) run `rows_gemm`: the weight as the tensor cores' wide
+operand and the tokens as the narrow one, padded to 16, its loads software-pipelined (num_stages)
+and its block sizes autotuned. An earlier few-rows kernel with the tokens as the wide operand and
+no pipelining was slower than cuBLAS on the H200 at every size (4.99 against 4.86 ms at 2 tokens
+on 8B shapes).
 
 Registered with `torch.library.triton_op`, so torch.compile traces through them and the kernels
 land inside the compiled step and its CUDA graph. Without Triton or CUDA, `gemv_linear` is
@@ -56,6 +59,10 @@ _DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
 # against 4.49 ms in one call).
 # benchmarks/roofline_8b.py's glu=0/1 steps set it to 0 / no limit.
 GLU_FOLD_MAX_BYTES = 32 << 20
+
+# Steps of 2..ROWS_MAX tokens (verification) run their products through `rows_gemm` instead of
+# cuBLAS; benchmarks/roofline_8b.py's rows=N steps set it (0: cuBLAS for every step of > 1 token).
+ROWS_MAX = 16
 
 
 def available() -> bool:
@@ -111,6 +118,49 @@ if triton is not None:
         key=["N", "K", "GLU"],
     )(_gemv_kernel)
 
+    @triton.jit
+    def _rows_kernel(W, X, Y, N, T, K: tl.constexpr, TP: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+        # Y^T = W @ X^T: the weight is the tensor cores' 16+-row operand and the T <= TP tokens the
+        # narrow one (padded to TP = 16 columns), so the weight streams once, with software
+        # pipelining (num_stages), for every token of the step.
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        t = tl.arange(0, TP)
+        acc = tl.zeros((BLOCK_N, TP), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            keep = cols < K
+            w = tl.load(W + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < N) & keep[None, :], other=0.0)
+            x = tl.load(X + t[None, :] * K + cols[:, None], mask=(t[None, :] < T) & keep[:, None], other=0.0)
+            if UPCAST:  # Triton's interpreter multiplies bf16 tiles wrongly; fp32 ones exactly
+                w, x = w.to(tl.float32), x.to(tl.float32)
+            acc = tl.dot(w, x, acc)
+        tl.store(Y + t[None, :] * N + rows[:, None], acc.to(Y.dtype.element_ty),
+                 mask=(t[None, :] < T) & (rows[:, None] < N))
+
+    _rows_tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=st)
+                 for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)]
+        + [triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=4, num_stages=st) for st in (2, 3)],
+        key=["N", "K"],
+    )(_rows_kernel)
+
+    @triton_op("specdec::rows_gemm", mutates_args={})
+    def rows_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """`x @ w.T` for x [T, K] of 2..ROWS_MAX rows and w [N, K], both contiguous; returns [T, N]."""
+        t, k = x.shape
+        n = w.shape[0]
+        y = torch.empty(t, n, device=x.device, dtype=x.dtype)
+
+        def grid(meta):
+            return (triton.cdiv(n, meta["BLOCK_N"]),)
+
+        if x.is_cuda:
+            wrap_triton(_rows_tuned)[grid](w, x, y, n, t, k, TP=16, UPCAST=False)
+        else:
+            wrap_triton(_rows_kernel)[grid](w, x, y, n, t, k, TP=16, BLOCK_N=16, BLOCK_K=64, UPCAST=True)
+        return y
+
     def _launch(x, w, g, r, eps: float, norm: bool, residual: bool, glu: bool = False) -> torch.Tensor:
         n, k = w.shape
         n = n // 2 if glu else n
@@ -153,12 +203,23 @@ def fused_one_token(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return runs_on(x) and x.numel() == x.shape[-1] and weight.dtype == x.dtype and weight.is_contiguous()
 
 
+def few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rows_gemm` applies: 2..ROWS_MAX bf16/fp16 rows where Triton runs, a contiguous
+    weight of their dtype."""
+    rows = x.numel() // x.shape[-1]
+    return runs_on(x) and 1 < rows <= ROWS_MAX and weight.dtype == x.dtype and weight.is_contiguous()
+
+
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: one bf16/fp16 row on CUDA through the Triton GEMV, the rest
-    through `few_row_linear`."""
-    if not fused_one_token(x, weight):
+    """`F.linear(x, weight, bias)`: one bf16/fp16 row on CUDA through the Triton GEMV, up to
+    ROWS_MAX through `rows_gemm`, the rest through `few_row_linear`."""
+    if fused_one_token(x, weight):
+        y = gemv(x.reshape(-1).contiguous(), weight)
+    elif few_rows(x, weight):
+        y = rows_gemm(x.reshape(-1, x.shape[-1]).contiguous(), weight)
+    else:
         return few_row_linear(x, weight, bias)
-    y = gemv(x.reshape(-1).contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
+    y = y.view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
 

@@ -35,8 +35,9 @@
 #   bash benchmarks/gpu_train.sh y   # verify steps on Triton too (rows_gemm, attention kernels with the query rope),
 #                                    # one cache write per layer, split argmax: kernel tests on CUDA, 8B steps of
 #                                    # 1..16 tokens against cuBLAS and the compiled attention, 8B profiles
-#   bash benchmarks/gpu_train.sh z   # (after y, same machine or not) SmolLM2 shapes: steps of 1..8 tokens, plain and
-#                                    # EAGLE-3 engine steps (random weights)
+#                                    # (with rows=0 / att=0 / retune steps), then z, then the 8B profiles
+#   bash benchmarks/gpu_train.sh z   # SmolLM2 shapes: steps of 1..8 tokens, plain and EAGLE-3 engine steps (random
+#                                    # weights)
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
 #
@@ -282,17 +283,18 @@ case "$1" in
     ;;
   y)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -4
-    timeout 300 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_rows --budget-s 250 \
-      --plan "nocd:1,2,8;products:1,2,4,8,16;default:1,2,4,8,16;check_decode;check;check1;rows=0;default:1,2,8;rows=16;att=0;default:1,8" 2>&1 \
+    timeout 200 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_rows --budget-s 160 \
+      --plan "nocd:1,8;default:1,2,4,8,16;check_decode;check;check1;rows=0;default:8;rows=16;retune;default:1,8;retune;default:1,8" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -30
-    timeout 150 python3 benchmarks/profile_8b.py --out "$OUT" --gemv-budget-s 0 --profiles default@1,products@1,default@8 \
-      2>&1 | grep -v Warning | tail -4
+    bash "$0" z
+    timeout 90 python3 benchmarks/profile_8b.py --out "$OUT" --gemv-budget-s 0 --profiles default@1,default@8 \
+      2>&1 | grep -v Warning | tail -3
     ;;
   z)
-    timeout 170 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_rows --budget-s 140 \
-      --plan "hf;cd:1;products:1,4,8;default:1,2,4,6,8;e2e;rows=0;default:4,8;rows=16;att=0;default:1,4,8" 2>&1 \
+    timeout 150 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_rows --budget-s 120 \
+      --plan "hf;cd:1;products:1,4,8;default:1,2,4,6,8;e2e;rows=0;att=0;default:1,4,8" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -22
-    timeout 240 python3 benchmarks/drafter_step.py --tree-only --rounds 0 --e2e \
+    timeout 170 python3 benchmarks/drafter_step.py --tree-only --rounds 0 --e2e \
       --e2e-rows eagle3-k3-static,eagle3-k5-static,eagle3-tree-static --out "$OUT" \
       > "$OUT/drafter_step_rows.log" 2>&1
     grep "e2e\|Error\|error" "$OUT/drafter_step_rows.log" | grep -v Warning | tail -12

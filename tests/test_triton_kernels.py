@@ -54,6 +54,12 @@ def test_rows_gemm_matches_torch(t, n, k):
     x, w, b = _randn(t, k, seed=6), _randn(n, k, seed=7), _randn(n, seed=8)
     want = x.float() @ w.float().T
     _close(gemv.rows_gemm(x, w), want, want.abs().max())
+    r, g = _randn(t, n, seed=9), _randn(k, seed=4).abs() + 0.5
+    _close(gemv.rows_gemm_add(x, w, r), want + r.float(), want.abs().max())
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * g.float()  # each row on its own
+    want_normed = normed @ w.float().T
+    _close(gemv.rows_gemm_rms(x, g, w, 1e-5), want_normed, want_normed.abs().max())
     # gemv_linear sends 2..ROWS_MAX rows of any leading shape there, the bias added after
     assert gemv.few_rows(x, w)
     want = want + b.float()
@@ -128,7 +134,7 @@ def test_steps_through_the_kernels_match_hf(tiny_targets, arch, monkeypatch):
     fused = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
     calls = {"attention": 0, "glu": 0, "rows": 0}
     for mod, name, key in ((decode_attention, "decode_attention", "attention"), (gemv, "gemv_rms_glu", "glu"),
-                           (gemv, "rows_gemm", "rows")):
+                           (gemv, "rows_gemm_rms", "rows"), (gemv, "rows_gemm_add", "rows")):
 
         def counted(*a, real=getattr(mod, name), key=key):
             calls[key] += 1

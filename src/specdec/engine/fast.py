@@ -49,7 +49,7 @@ from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from .engine import SpeculativeEngine, truncate_at_stop
 from .gemv import available as gemv_available
-from .gemv import folds_glu, fused_one_token, gemv_linear, linear_add, rms_glu_linear, rms_linear
+from .gemv import folds, folds_glu, fused_one_token, gemv_linear, linear_add, rms_glu_linear, rms_linear
 from . import decode_attention
 from .sampling import sample, target_probs
 from .tree import Draft, TreeConfig, ancestor_mask
@@ -134,23 +134,24 @@ class Shapes:
 
 def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None = None):
     """One decoder layer over T tokens. Every argument is a tensor (or None), so one compiled
-    graph serves all layers. With `gemv`, a one-token step runs gemv.py's Triton products, each
-    RMSNorm and residual add folded into its product and, for small MLPs, SiLU * up into the
-    gate/up product's store; with `attention_kernel` (default: as `gemv`), the attention of a step
-    of few tokens (one-token decode, short verify steps) runs as decode_attention.py's kernels."""
+    graph serves all layers. With `gemv`, steps of up to gemv.ROWS_MAX tokens run gemv.py's Triton
+    products (the GEMV for one token, rows_gemm for a verify step), each RMSNorm and residual add
+    folded into its product and, for small MLPs at one token, SiLU * up into the gate/up product's
+    store; with `attention_kernel` (default: as `gemv`), the attention of a step of few tokens
+    runs as decode_attention.py's kernels."""
     kernel = gemv if attention_kernel is None else attention_kernel
     nh, nkv, hd, g, eps = s.heads, s.kv_heads, s.head_dim, s.groups, s.eps
     scale = hd**-0.5
     linear = gemv_linear if gemv else few_row_linear
 
     def norm_linear(x, ln, w, b):
-        if gemv and fused_one_token(x, w):
+        if gemv and folds(x, w):
             y = rms_linear(x, ln, eps, w)
             return y if b is None else y + b
         return linear(rms_norm(x, ln, eps), w, b)
 
     def add_linear(residual, x, w, b):
-        if gemv and b is None and fused_one_token(x, w):
+        if gemv and b is None and folds(x, w):
             return linear_add(x, w, residual)
         return residual + linear(x, w, b)
 
@@ -228,7 +229,7 @@ def make_head_fn(s: Shapes, gemv: bool = False):
     linear = gemv_linear if gemv else few_row_linear
 
     def head(x, norm_w, lm_w):
-        if gemv and fused_one_token(x, lm_w):
+        if gemv and folds(x, lm_w):
             logits = rms_linear(x, norm_w, eps, lm_w)
         else:
             logits = linear(rms_norm(x, norm_w, eps), lm_w)  # shape: [T, V]

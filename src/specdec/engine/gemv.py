@@ -119,35 +119,43 @@ if triton is not None:
     )(_gemv_kernel)
 
     @triton.jit
-    def _rows_kernel(W, X, Y, N, T, K: tl.constexpr, TP: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    def _rows_kernel(W, X, Y, G, R, N, T, eps, K: tl.constexpr, TP: tl.constexpr, NORM: tl.constexpr,
+                     RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
         # Y^T = W @ X^T: the weight is the tensor cores' 16+-row operand and the T <= TP tokens the
         # narrow one (padded to TP = 16 columns), so the weight streams once, with software
         # pipelining (num_stages), for every token of the step.
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         t = tl.arange(0, TP)
         acc = tl.zeros((BLOCK_N, TP), dtype=tl.float32)
+        squares = tl.zeros((TP,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             keep = cols < K
             w = tl.load(W + rows[:, None] * K + cols[None, :], mask=(rows[:, None] < N) & keep[None, :], other=0.0)
             x = tl.load(X + t[None, :] * K + cols[:, None], mask=(t[None, :] < T) & keep[:, None], other=0.0)
+            if NORM:  # each token's sum of squares rides along; x * g is rounded for the tensor cores
+                xf = x.to(tl.float32)
+                squares += tl.sum(xf * xf, axis=0)
+                x = (xf * tl.load(G + cols, mask=keep, other=0.0).to(tl.float32)[:, None]).to(x.dtype)
             if UPCAST:  # Triton's interpreter multiplies bf16 tiles wrongly; fp32 ones exactly
                 w, x = w.to(tl.float32), x.to(tl.float32)
             acc = tl.dot(w, x, acc)
-        tl.store(Y + t[None, :] * N + rows[:, None], acc.to(Y.dtype.element_ty),
-                 mask=(t[None, :] < T) & (rows[:, None] < N))
+        if NORM:
+            acc = acc * tl.rsqrt(squares / K + eps)[None, :]
+        out = t[None, :] * N + rows[:, None]
+        inside = (t[None, :] < T) & (rows[:, None] < N)
+        if RESIDUAL:
+            acc += tl.load(R + out, mask=inside, other=0.0).to(tl.float32)
+        tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=inside)
 
     _rows_tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=st)
                  for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)]
         + [triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=4, num_stages=st) for st in (2, 3)],
-        key=["N", "K"],
+        key=["N", "K", "NORM"],
     )(_rows_kernel)
 
-    @triton_op("specdec::rows_gemm", mutates_args={})
-    def rows_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """`x @ w.T` for x [T, K] of 2..ROWS_MAX rows and w [N, K], both contiguous; returns [T, N]."""
+    def _launch_rows(x, w, g, r, eps: float, norm: bool, residual: bool) -> torch.Tensor:
         t, k = x.shape
         n = w.shape[0]
         y = torch.empty(t, n, device=x.device, dtype=x.dtype)
@@ -155,11 +163,28 @@ if triton is not None:
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]),)
 
+        flags = dict(TP=16, NORM=norm, RESIDUAL=residual)
         if x.is_cuda:
-            wrap_triton(_rows_tuned)[grid](w, x, y, n, t, k, TP=16, UPCAST=False)
+            wrap_triton(_rows_tuned)[grid](w, x, y, g, r, n, t, eps, k, **flags, UPCAST=False)
         else:
-            wrap_triton(_rows_kernel)[grid](w, x, y, n, t, k, TP=16, BLOCK_N=16, BLOCK_K=64, UPCAST=True)
+            wrap_triton(_rows_kernel)[grid](w, x, y, g, r, n, t, eps, k, **flags, BLOCK_N=16, BLOCK_K=64,
+                                            UPCAST=True)
         return y
+
+    @triton_op("specdec::rows_gemm", mutates_args={})
+    def rows_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """`x @ w.T` for x [T, K] of 2..ROWS_MAX rows and w [N, K], both contiguous; returns [T, N]."""
+        return _launch_rows(x, w, x, x, 0.0, False, False)
+
+    @triton_op("specdec::rows_gemm_rms", mutates_args={})
+    def rows_gemm_rms(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """`rms_norm(x, g) @ w.T`, each row normed; returns [T, N]."""
+        return _launch_rows(x, w, g, x, eps, True, False)
+
+    @triton_op("specdec::rows_gemm_add", mutates_args={})
+    def rows_gemm_add(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """`r + x @ w.T` for a residual r [T, N]; returns [T, N]."""
+        return _launch_rows(x, w, x, r, 0.0, False, True)
 
     def _launch(x, w, g, r, eps: float, norm: bool, residual: bool, glu: bool = False) -> torch.Tensor:
         n, k = w.shape
@@ -223,14 +248,27 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y if bias is None else y + bias
 
 
+def folds(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_linear` and `linear_add` apply: one row (the GEMV) or 2..ROWS_MAX (rows_gemm)."""
+    return fused_one_token(x, weight) or few_rows(x, weight)
+
+
 def rms_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(rms_norm(x, g, eps), weight)` in one kernel (call only where `fused_one_token`)."""
-    return gemv_rms(x.reshape(-1).contiguous(), g, weight, eps).view(*x.shape[:-1], weight.shape[0])
+    """`F.linear(rms_norm(x, g, eps), weight)` in one kernel (call only where `folds`)."""
+    if fused_one_token(x, weight):
+        out = gemv_rms(x.reshape(-1).contiguous(), g, weight, eps)
+    else:
+        out = rows_gemm_rms(x.reshape(-1, x.shape[-1]).contiguous(), g, weight, eps)
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """`residual + F.linear(x, weight)` in one kernel (call only where `fused_one_token`)."""
-    out = gemv_add(x.reshape(-1).contiguous(), weight, residual.reshape(-1).contiguous())
+    """`residual + F.linear(x, weight)` in one kernel (call only where `folds`)."""
+    if fused_one_token(x, weight):
+        out = gemv_add(x.reshape(-1).contiguous(), weight, residual.reshape(-1).contiguous())
+    else:
+        n = weight.shape[0]
+        out = rows_gemm_add(x.reshape(-1, x.shape[-1]).contiguous(), weight, residual.reshape(-1, n).contiguous())
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -32,10 +32,8 @@
 #                                    # logits against HF over a filled cache, SmolLM2 shapes
 #   bash benchmarks/gpu_train.sh x   # `specdec quickstart` on CUDA with a tiny random Llama, then `specdec serve` with
 #                                    # its EAGLE-3 drafter on the CUDA fast path (carry .devdata/home and .whl)
-#   bash benchmarks/gpu_train.sh y   # verify steps on Triton too (rows_gemm, attention kernels with the query rope),
-#                                    # one cache write per layer, split argmax: kernel tests on CUDA, 8B steps of
-#                                    # 1..16 tokens against cuBLAS and the compiled attention, 8B profiles
-#                                    # (with rows=0 / att=0 / retune steps), then z, then the 8B profiles
+#   bash benchmarks/gpu_train.sh y   # verify steps with norms and residual adds folded into rows_gemm or not
+#                                    # (rowsfold=1/0), 8B and SmolLM2 shapes, steps of 1..16 tokens
 #   bash benchmarks/gpu_train.sh z   # SmolLM2 shapes: steps of 1..8 tokens, plain and EAGLE-3 engine steps (random
 #                                    # weights)
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
@@ -282,13 +280,12 @@ case "$1" in
     serve_check serve_eagle_cuda tiny-llama "abc abc abc" 40 3 --drafter "$D" --num-speculative-tokens 3 --device cuda
     ;;
   y)
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tail -4
-    timeout 200 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_rows --budget-s 160 \
-      --plan "nocd:1,8;default:1,2,4,8,16;check_decode;check;check1;rows=0;default:8;rows=16;retune;default:1,8;retune;default:1,8" 2>&1 \
-      | grep -v "Warning\|warnings.warn" | tail -30
-    bash "$0" z
-    timeout 90 python3 benchmarks/profile_8b.py --out "$OUT" --gemv-budget-s 0 --profiles default@1,default@8 \
-      2>&1 | grep -v Warning | tail -3
+    timeout 150 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_rowsfold --budget-s 120 \
+      --plan "default:1,2,8,16;rowsfold=0;default:1,2,8,16;check;rowsfold=1;att=0;default:8" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -12
+    timeout 150 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_rowsfold --budget-s 120 \
+      --plan "default:1,2,4,8;rowsfold=0;default:1,2,4,8;rows=0;att=0;default:4,8" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -14
     ;;
   z)
     timeout 150 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_rows --budget-s 120 \

@@ -63,6 +63,9 @@ GLU_FOLD_MAX_BYTES = 32 << 20
 # Steps of 2..ROWS_MAX tokens (verification) run their products through `rows_gemm` instead of
 # cuBLAS; benchmarks/roofline_8b.py's rows=N steps set it (0: cuBLAS for every step of > 1 token).
 ROWS_MAX = 16
+# Whether those steps also fold RMSNorm and the residual add into rows_gemm (rows_gemm_rms /
+# rows_gemm_add) rather than leaving them to one compiled kernel per norm; rowsfold=0/1 steps set it.
+ROWS_FOLD = True
 
 
 def available() -> bool:
@@ -249,8 +252,9 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def folds(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `rms_linear` and `linear_add` apply: one row (the GEMV) or 2..ROWS_MAX (rows_gemm)."""
-    return fused_one_token(x, weight) or few_rows(x, weight)
+    """Whether `rms_linear` and `linear_add` apply: one row (the GEMV) or, with ROWS_FOLD,
+    2..ROWS_MAX (rows_gemm)."""
+    return fused_one_token(x, weight) or (ROWS_FOLD and few_rows(x, weight))
 
 
 def rms_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from specdec.bench.roofline import (  # noqa: E402
-    apply_knob, autotune_picks, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms,
+    apply_knob, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms,
     kv_bytes_per_token,
     llama31_8b_config, random_model, randomize_cache, weight_bytes,
 )
@@ -66,8 +66,8 @@ def main() -> int:
                          "steps after a prefill, vs HF)  |  hf (HF eager ms/token)  |  bs=N (attention "
                          "kernel block, default 32)  |  glu=0/1 (SiLU * up never / always folded)  |  "
                          "rows=N (steps of 2..N tokens through rows_gemm, 0: cuBLAS)  |  att=N "
-                         "(attention kernels up to N query rows, 0: never)  |  retune (forget the "
-                         "autotuner's picks); these hold from the next variant on and tag its results")
+                         "(attention kernels up to N query rows, 0: never); these hold from the next "
+                         "variant on and tag its results")
     ap.add_argument("--tag", default="roofline_8b", help="name of the JSON file written under --out")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny random llama")
     args = ap.parse_args()
@@ -165,7 +165,6 @@ def main() -> int:
             print(f"step {step} failed: {type(e).__name__}: {e}"[:500], flush=True)
             current = None
         save()
-    res["autotune_picks"] = autotune_picks()
     summarize(res)
     save()
     return 0

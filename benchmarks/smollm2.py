@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from specdec.bench.roofline import (  # noqa: E402
-    apply_knob, autotune_picks, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms,
+    apply_knob, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms,
     kv_bytes_per_token,
     random_model, randomize_cache, smollm2_135m_config, weight_bytes,
 )
@@ -183,7 +183,6 @@ def main() -> int:
             print(f"step {step} failed: {type(e).__name__}: {e}"[:800], flush=True)
             current = None
         save()
-    res["autotune_picks"] = autotune_picks()
     summarize(res)
     save()
     return 0

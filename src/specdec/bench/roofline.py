@@ -226,31 +226,11 @@ KNOBS = {
 }
 
 
-def autotune_picks() -> dict:
-    """The block sizes Triton's autotuner picked for gemv.py's kernels so far, per shape key."""
-    from ..engine import gemv
-
-    out = {}
-    for name in ("_gemv_tuned", "_rows_tuned"):
-        tuner = getattr(gemv, name, None)
-        for key, cfg in (getattr(tuner, "cache", None) or {}).items():
-            out.setdefault(name.strip("_"), {})[str(key)] = str(cfg)
-    return out
-
-
 def apply_knob(step: str, tags: dict) -> bool:
     """If `step` is NAME=VALUE for a name in KNOBS, set that constant and record its tag in `tags`
-    (empty at the shipped value); returns whether it was a knob. Variants compiled after it see it.
-    `retune` forgets the autotuner's picks, so the next variant tunes again (tagged @retuneN)."""
+    (empty at the shipped value); returns whether it was a knob. Variants compiled after it see it."""
     import importlib
 
-    if step == "retune":
-        from ..engine import gemv
-
-        for tuner in (gemv._gemv_tuned, gemv._rows_tuned):
-            tuner.cache.clear()
-        tags["retune"] = f"@retune{int(tags.get('retune', '@retune0')[7:]) + 1}"
-        return True
     name, eq, value = step.partition("=")
     if not eq or name not in KNOBS:
         return False

@@ -13,9 +13,10 @@ kernel: the caches of a layer are one tensor [2, kv heads, slots, head size]):
                     output as HF does (each product rounded to the model's dtype), scores them
                     against its block's slots (the cache before the step, and the step's own slots
                     its tree mask allows; blocks past the step load nothing) and writes an
-                    unnormalised partial per row: max, sum of exp, p @ V.
-    combine kernel  grid (tokens x query heads): rescales the partials by their maxima and sums them
-                    (flash-decoding's split-K softmax).
+                    unnormalised partial per row: max, sum of exp, p @ V (blocks past the step
+                    store nothing).
+    combine kernel  grid (tokens x query heads): rescales the partials of the blocks up to the
+                    step's by their maxima and sums them (flash-decoding's split-K softmax).
 
 The cache write stays in the compiled step (an index_put inductor performs in place). A first
 version wrote the token's key and value itself, as a `triton_op` mutating the caches; torch.compile
@@ -93,22 +94,26 @@ if triton is not None:
             pv, v = pv.to(tl.float32), v.to(tl.float32)
         o = tl.dot(pv, v)  # shape: [GP, HD], fp32
         out = t * HEADS + head  # the output row [T * HEADS] of this query row
-        tl.store(PO + (out[:, None] * NSPLIT + sp) * HD + d[None, :], o, mask=live)
-        tl.store(PM + out * NSPLIT + sp, m, mask=r < G * T)
-        tl.store(PL + out * NSPLIT + sp, tl.sum(p, axis=1), mask=r < G * T)
+        # A block past the step stores nothing (its rows count as none): the combine skips it.
+        stored = r < tl.where(sp * BLOCK_S < slot0 + T, G * T, 0)
+        tl.store(PO + (out[:, None] * NSPLIT + sp) * HD + d[None, :], o, mask=stored[:, None])
+        tl.store(PM + out * NSPLIT + sp, m, mask=stored)
+        tl.store(PL + out * NSPLIT + sp, tl.sum(p, axis=1), mask=stored)
 
     @triton.jit
-    def _combine_kernel(PO, PM, PL, OUT, NSPLIT, HD: tl.constexpr, SP: tl.constexpr, CHUNK: tl.constexpr):
+    def _combine_kernel(PO, PM, PL, OUT, SLOTS, NSPLIT, T: tl.constexpr, BLOCK_S: tl.constexpr,
+                        HD: tl.constexpr, SP: tl.constexpr, CHUNK: tl.constexpr):
         hh = tl.program_id(0)
+        nlive = (tl.load(SLOTS) + T + BLOCK_S - 1) // BLOCK_S  # the blocks the split kernel stored
         si = tl.arange(0, SP)
-        m = tl.load(PM + hh * NSPLIT + si, mask=si < NSPLIT, other=float("-inf"))
+        m = tl.load(PM + hh * NSPLIT + si, mask=si < nlive, other=float("-inf"))
         top = tl.max(m, axis=0)  # finite: every token sees slot 0 (the cache's first or the step's root)
-        total = tl.sum(tl.exp(m - top) * tl.load(PL + hh * NSPLIT + si, mask=si < NSPLIT, other=0.0), axis=0)
+        total = tl.sum(tl.exp(m - top) * tl.load(PL + hh * NSPLIT + si, mask=si < nlive, other=0.0), axis=0)
         dd = tl.arange(0, HD)
         acc = tl.zeros((HD,), dtype=tl.float32)
-        for c in range(0, NSPLIT, CHUNK):
+        for c in range(0, nlive, CHUNK):
             ci = c + tl.arange(0, CHUNK)
-            keep = ci < NSPLIT
+            keep = ci < nlive
             w = tl.exp(tl.load(PM + hh * NSPLIT + ci, mask=keep, other=float("-inf")) - top)
             o = tl.load(PO + (hh * NSPLIT + ci)[:, None] * HD + dd[None, :], mask=keep[:, None], other=0.0)
             acc += tl.sum(w[:, None] * o, axis=0)
@@ -135,7 +140,8 @@ if triton is not None:
             T=T, HEADS=heads, HD=hd, G=g, GP=max(16, triton.next_power_of_2(g * T)), BLOCK_S=BLOCK_S,
             UPCAST=not qkv.is_cuda, num_warps=4)
         wrap_triton(_combine_kernel)[(T * heads,)](
-            po, pm, pl, out, nsplit, HD=hd, SP=triton.next_power_of_2(nsplit), CHUNK=COMBINE_CHUNK, num_warps=4)
+            po, pm, pl, out, slots, nsplit, T=T, BLOCK_S=BLOCK_S, HD=hd, SP=triton.next_power_of_2(nsplit),
+            CHUNK=COMBINE_CHUNK, num_warps=4)
         return out
 
 

@@ -32,9 +32,8 @@
 #                                    # logits against HF over a filled cache, SmolLM2 shapes
 #   bash benchmarks/gpu_train.sh x   # `specdec quickstart` on CUDA with a tiny random Llama, then `specdec serve` with
 #                                    # its EAGLE-3 drafter on the CUDA fast path (carry .devdata/home and .whl)
-#   bash benchmarks/gpu_train.sh y   # verify steps with norms and residual adds folded into rows_gemm or not
-#                                    # (rowsfold=1/0), attention blocks of 64 slots (bs=64), without rows_gemm
-#                                    # and the attention kernels (rows=0, att=0): 8B and SmolLM2 shapes
+#   bash benchmarks/gpu_train.sh y   # 8B steps of 1 and 8 tokens with norms and residual adds folded into rows_gemm
+#                                    # or not (rowsfold=1/0); SmolLM2 shapes, steps and generate() end to end
 #   bash benchmarks/gpu_train.sh z   # SmolLM2 shapes: steps of 1..8 tokens, plain and EAGLE-3 engine steps (random
 #                                    # weights)
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
@@ -281,12 +280,10 @@ case "$1" in
     serve_check serve_eagle_cuda tiny-llama "abc abc abc" 40 3 --drafter "$D" --num-speculative-tokens 3 --device cuda
     ;;
   y)
-    timeout 170 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_rowsfold --budget-s 130 \
-      --plan "default:1,2,8,16;check_decode;check;rowsfold=0;default:1,8,16;rowsfold=1;bs=64;default:1,8" 2>&1 \
-      | grep -v "Warning\|warnings.warn" | tail -14
-    timeout 170 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_rowsfold --budget-s 130 \
-      --plan "hf;default:1,2,4,8;e2e;rowsfold=0;default:4,8;rowsfold=1;rows=0;att=0;default:1,4,8" 2>&1 \
-      | grep -v "Warning\|warnings.warn" | tail -16
+    timeout 120 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_rowsfold --budget-s 90 \
+      --plan "default:1,8;rowsfold=0;default:1,8;check" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
+    timeout 80 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_rowsfold --budget-s 50 \
+      --plan "default:1,4,8;e2e" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6
     ;;
   z)
     timeout 150 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_rows --budget-s 120 \

@@ -157,3 +157,11 @@ def test_steps_through_the_kernels_match_hf(tiny_targets, arch, monkeypatch):
         assert calls == {"attention": layers * (t - 6), "glu": layers * (t - 7), "rows": products}
     check(fused.step(ids[12:15], [12, 13, 14], 12, _causal(3), 3).logits, ref[12:15])  # a verify step
     assert calls == {"attention": layers * 6, "glu": layers * 4, "rows": 2 * products}
+    # A tree of 5 (TREE) after the 15 tokens: against the decoder without the kernels (the compiled
+    # attention's additive mask), filled with the same 15 tokens.
+    plain = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=False)
+    plain.step(ids[:15], list(range(15)), 0, _causal(15), 15)
+    tree, pos = [3, 17, 40, 99, 7], [15, 16, 16, 17, 17]
+    want = plain.step(tree, pos, 15, TREE.numpy(), 5).logits.float().cpu()
+    check(fused.step(tree, pos, 15, TREE.numpy(), 5).logits, want)
+    assert calls["attention"] == layers * 7

@@ -64,7 +64,9 @@ GLU_FOLD_MAX_BYTES = 32 << 20
 # cuBLAS; benchmarks/roofline_8b.py's rows=N steps set it (0: cuBLAS for every step of > 1 token).
 ROWS_MAX = 16
 # Whether those steps also fold RMSNorm and the residual add into rows_gemm (rows_gemm_rms /
-# rows_gemm_add) rather than leaving them to one compiled kernel per norm; rowsfold=0/1 steps set it.
+# rows_gemm_add) rather than leaving them to one compiled kernel per norm. Folded, each program
+# renormalises its slice of x (the products slow by ~6% on 8B shapes) but ~3 kernels per layer go:
+# 8 tokens 4.916 against 5.018 ms in one H200 call (BENCHMARKS.md). rowsfold=0/1 steps set it.
 ROWS_FOLD = True
 
 

@@ -32,7 +32,7 @@
 #                                    # logits against HF over a filled cache, SmolLM2 shapes
 #   bash benchmarks/gpu_train.sh x   # `specdec quickstart` on CUDA with a tiny random Llama, then `specdec serve` with
 #                                    # its EAGLE-3 drafter on the CUDA fast path (carry .devdata/home and .whl)
-#   bash benchmarks/gpu_train.sh y   # 8B steps of 1 and 8 tokens with norms and residual adds folded into rows_gemm
+#   bash benchmarks/gpu_train.sh y   # 8B steps of 1 and 8 tokens with norms and residual adds folded into the rows kernel
 #                                    # or not (rowsfold=1/0); SmolLM2 shapes, steps and generate() end to end
 #   bash benchmarks/gpu_train.sh z   # SmolLM2 shapes: steps of 1..8 tokens, plain and EAGLE-3 engine steps (random
 #                                    # weights)

@@ -35,7 +35,7 @@ from specdec.engine.fast import FastDecoder, _causal  # noqa: E402
 
 def family(name: str) -> str:
     n = name.lower()
-    if "gemv" in n or "gemm" in n or "cutlass" in n or "sm90" in n or "nvjet" in n or "splitk" in n:
+    if any(s in n for s in ("gemv", "gemm", "cutlass", "sm90", "nvjet", "splitk", "_rows_kernel")):
         return "matmul"
     if "flash" in n or "attention" in n or "fmha" in n or "sdpa" in n or n in ("_split_kernel", "_combine_kernel"):
         return "attention"

@@ -12,7 +12,7 @@ Variants, each a separate compile (torch._dynamo.reset() between them):
     nocd       inductor without coordinate-descent tuning (cuBLAS GEMV for one token)
     products   nocd with gemv.py's kernels (one token: norms and residual adds folded into the
                products, SiLU * up too below engine/gemv.py's GLU_FOLD_MAX_BYTES; 2..16 tokens:
-               rows_gemm), attention as compiled ops
+               the rows kernel), attention as compiled ops
     default    products + decode_attention.py's attention kernels for steps of up to 64 query
                rows per kv head (the key rope and cache write stay compiled)   <- the fast path
     autotune   mode="max-autotune-no-cudagraphs" + coordinate descent (Triton GEMM templates
@@ -65,7 +65,7 @@ def main() -> int:
                     help="steps in order: VARIANT:T,T,...  |  check (logits vs HF)  |  check_decode (one-token "
                          "steps after a prefill, vs HF)  |  hf (HF eager ms/token)  |  bs=N (attention "
                          "kernel block, default 32)  |  glu=0/1 (SiLU * up never / always folded)  |  "
-                         "rows=N (steps of 2..N tokens through rows_gemm, 0: cuBLAS)  |  att=N "
+                         "rows=N (steps of 2..N tokens through the rows kernel, 0: cuBLAS)  |  att=N "
                          "(attention kernels up to N query rows, 0: never); these hold from the next "
                          "variant on and tag its results")
     ap.add_argument("--tag", default="roofline_8b", help="name of the JSON file written under --out")

@@ -220,8 +220,8 @@ def randomize_cache(dec, seed: int = 0) -> None:
 KNOBS = {
     "glu": ("gemv", "GLU_FOLD_MAX_BYTES", lambda v: 1 << 62 if v else 0, 32 << 20),  # glu=1: always fold
     "bs": ("decode_attention", "BLOCK_S", int, 32),  # cache slots per attention split program
-    "rows": ("gemv", "ROWS_MAX", int, 16),  # steps of 2..N tokens through rows_gemm (0: cuBLAS)
-    "rowsfold": ("gemv", "ROWS_FOLD", bool, True),  # norms and residual adds folded into rows_gemm
+    "rows": ("gemv", "ROWS_MAX", int, 16),  # steps of 2..N tokens through the rows kernel (0: cuBLAS)
+    "rowsfold": ("gemv", "ROWS_FOLD", bool, True),  # norms and residual adds folded into the rows kernel
     "att": ("decode_attention", "MAX_ROWS", int, 64),  # attention kernels up to N query rows (0: never)
 }
 

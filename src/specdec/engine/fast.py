@@ -135,7 +135,7 @@ class Shapes:
 def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None = None):
     """One decoder layer over T tokens. Every argument is a tensor (or None), so one compiled
     graph serves all layers. With `gemv`, steps of up to gemv.ROWS_MAX tokens run gemv.py's Triton
-    products (the GEMV for one token, rows_gemm for a verify step), each RMSNorm and residual add
+    products (the GEMV for one token, the rows kernel for a verify step), each RMSNorm and residual add
     folded into its product and, for small MLPs at one token, SiLU * up into the gate/up product's
     store; with `attention_kernel` (default: as `gemv`), the attention of a step of few tokens
     runs as decode_attention.py's kernels."""

@@ -1,4 +1,4 @@
-"""Batch-1 matrix-vector products on CUDA as Triton kernels, for the fast path's one-token steps.
+"""Few-token matrix products on CUDA as Triton kernels, for the fast path's decode and verify steps.
 
 At one token a decode step is a chain of `weight @ x` products, and its speed is how fast they
 stream their weights from HBM. On an H200 (torch 2.11, benchmarks/profile_8b.py) cuBLAS's GEMV
@@ -10,20 +10,21 @@ first use (which happens in the fast path's warm-up, before a CUDA graph capture
 
 Variants fold the small kernels around a product into it, since at one token each costs a
 launch and a gap in the graph for microseconds of work:
-    gemv_rms(x, g, w, eps)  = w @ rms_norm(x, g)         the sum of squares rides along the same
+    gemv_rms(x, g, w, eps)  = rms_norm(x, g) @ w.T       the sum of squares rides along the same
                                                          loop, the 1/rms scale is applied once
-    gemv_add(x, w, r)       = r + w @ x                  the residual add at the store
-    gemv_rms_glu(x, g, w, eps) = silu(a) * b for [a | b] = w @ rms_norm(x, g), w = [gate; up]:
+    gemv_add(x, w, r)       = r + x @ w.T                the residual add at the store
+    gemv_rms_glu(x, g, w, eps) = silu(a) * b for [a | b] = rms_norm(x, g) @ w.T, w = [gate; up]:
                              the MLP's gate/up product, each program streaming a gate row and
                              its up row, so SiLU * up happens once per output at the store
 All stay in fp32 up to the one rounding of the output, where HF rounds the normed x and the
 product to bf16 on the way: the logits differ by that rounding (relative error against HF's
 forward 0.037, cuBLAS's path 0.040, on Llama-3.1-8B shapes with random weights).
-Steps of 2..16 tokens (verification) run `rows_gemm`: the weight as the tensor cores' wide
-operand and the tokens as the narrow one, padded to 16, its loads software-pipelined (num_stages)
-and its block sizes autotuned. An earlier few-rows kernel with the tokens as the wide operand and
-no pipelining was slower than cuBLAS on the H200 at every size (4.99 against 4.86 ms at 2 tokens
-on 8B shapes).
+
+Over 2..ROWS_MAX rows (a verify step) `gemv`, `gemv_rms` and `gemv_add` run `_rows_kernel`: the
+weight as the tensor cores' wide operand and the tokens as the narrow one, padded to 16, its loads
+software-pipelined (num_stages) and its block sizes autotuned; 0.15-0.19 ms faster than cuBLAS for
+8 tokens on 8B shapes (BENCHMARKS.md). An earlier few-rows kernel with the tokens as the wide
+operand and no pipelining was slower than cuBLAS at every size (4.99 against 4.86 ms at 2 tokens).
 
 Registered with `torch.library.triton_op`, so torch.compile traces through them and the kernels
 land inside the compiled step and its CUDA graph. Without Triton or CUDA, `gemv_linear` is
@@ -60,11 +61,11 @@ _DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
 # benchmarks/roofline_8b.py's glu=0/1 steps set it to 0 / no limit.
 GLU_FOLD_MAX_BYTES = 32 << 20
 
-# Steps of 2..ROWS_MAX tokens (verification) run their products through `rows_gemm` instead of
-# cuBLAS; benchmarks/roofline_8b.py's rows=N steps set it (0: cuBLAS for every step of > 1 token).
+# Steps of 2..ROWS_MAX tokens (verification) run their products through the rows kernel instead
+# of cuBLAS; benchmarks/roofline_8b.py's rows=N steps set it (0: cuBLAS for every step of > 1 token).
 ROWS_MAX = 16
-# Whether those steps also fold RMSNorm and the residual add into rows_gemm (rows_gemm_rms /
-# rows_gemm_add) rather than leaving them to one compiled kernel per norm. Folded, each program
+# Whether those steps also fold RMSNorm and the residual add into the rows kernel (`gemv_rms` /
+# `gemv_add` over T rows) rather than leaving them to one compiled kernel per norm. Folded, each program
 # renormalises its slice of x (the products slow by ~6% on 8B shapes) but ~3 kernels per layer go:
 # 8 tokens 4.916 against 5.018 ms in one H200 call (BENCHMARKS.md). rowsfold=0/1 steps set it.
 ROWS_FOLD = True
@@ -115,7 +116,6 @@ if triton is not None:
             y += tl.load(R + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
 
-    # Block sizes are tuned per shape on the GPU; the interpreter has no timer to tune with.
     # Four warps keep more programs resident per SM, for more loads in flight on the narrow shapes.
     _gemv_tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=1)
@@ -160,70 +160,50 @@ if triton is not None:
         key=["N", "K", "NORM"],
     )(_rows_kernel)
 
-    def _launch_rows(x, w, g, r, eps: float, norm: bool, residual: bool) -> torch.Tensor:
-        t, k = x.shape
-        n = w.shape[0]
+    def _launch(x, w, g, r, eps: float, norm: bool, residual: bool, glu: bool = False) -> torch.Tensor:
+        """y [T, N] for x of T rows of K (T = 1: the GEMV; 2..ROWS_MAX: the rows kernel)."""
+        k = w.shape[1]
+        t = x.numel() // k
+        n = w.shape[0] // 2 if glu else w.shape[0]
         y = torch.empty(t, n, device=x.device, dtype=x.dtype)
 
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]),)
 
-        flags = dict(TP=16, NORM=norm, RESIDUAL=residual)
-        if x.is_cuda:
-            wrap_triton(_rows_tuned)[grid](w, x, y, g, r, n, t, eps, k, **flags, UPCAST=False)
+        # Block sizes are tuned per shape on the GPU; the interpreter has no timer to tune with.
+        if t == 1:
+            flags = dict(NORM=norm, RESIDUAL=residual, GLU=glu)
+            if x.is_cuda:
+                wrap_triton(_gemv_tuned)[grid](w, x, y, g, r, n, eps, k, **flags)
+            else:
+                wrap_triton(_gemv_kernel)[grid](w, x, y, g, r, n, eps, k, **flags, BLOCK_N=16, BLOCK_K=64)
         else:
-            wrap_triton(_rows_kernel)[grid](w, x, y, g, r, n, t, eps, k, **flags, BLOCK_N=16, BLOCK_K=64,
-                                            UPCAST=True)
+            flags = dict(TP=16, NORM=norm, RESIDUAL=residual, UPCAST=not x.is_cuda)
+            if x.is_cuda:
+                wrap_triton(_rows_tuned)[grid](w, x, y, g, r, n, t, eps, k, **flags)
+            else:
+                wrap_triton(_rows_kernel)[grid](w, x, y, g, r, n, t, eps, k, **flags, BLOCK_N=16, BLOCK_K=64)
         return y
 
-    @triton_op("specdec::rows_gemm", mutates_args={})
-    def rows_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """`x @ w.T` for x [T, K] of 2..ROWS_MAX rows and w [N, K], both contiguous; returns [T, N]."""
-        return _launch_rows(x, w, x, x, 0.0, False, False)
-
-    @triton_op("specdec::rows_gemm_rms", mutates_args={})
-    def rows_gemm_rms(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """`rms_norm(x, g) @ w.T`, each row normed; returns [T, N]."""
-        return _launch_rows(x, w, g, x, eps, True, False)
-
-    @triton_op("specdec::rows_gemm_add", mutates_args={})
-    def rows_gemm_add(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """`r + x @ w.T` for a residual r [T, N]; returns [T, N]."""
-        return _launch_rows(x, w, x, r, 0.0, False, True)
-
-    def _launch(x, w, g, r, eps: float, norm: bool, residual: bool, glu: bool = False) -> torch.Tensor:
-        n, k = w.shape
-        n = n // 2 if glu else n
-        y = torch.empty(1, n, device=x.device, dtype=x.dtype)
-
-        def grid(meta):
-            return (triton.cdiv(n, meta["BLOCK_N"]),)
-
-        flags = dict(NORM=norm, RESIDUAL=residual, GLU=glu)
-        if x.is_cuda:
-            wrap_triton(_gemv_tuned)[grid](w, x, y, g, r, n, eps, k, **flags)
-        else:
-            wrap_triton(_gemv_kernel)[grid](w, x, y, g, r, n, eps, k, **flags, BLOCK_N=16, BLOCK_K=64)
-        return y
-
+    # Each op takes x as T contiguous rows of K ([K] or [T, K]) and returns [T, N].
     @triton_op("specdec::gemv", mutates_args={})
     def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """`w @ x` for x of K elements and a contiguous w [N, K]; returns [1, N]."""
+        """`x @ w.T` for a contiguous w [N, K]."""
         return _launch(x, w, x, x, 0.0, False, False)
 
     @triton_op("specdec::gemv_rms", mutates_args={})
     def gemv_rms(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """`w @ (x / rms(x) * g)`; returns [1, N]."""
+        """`rms_norm(x, g) @ w.T`, each row normed on its own."""
         return _launch(x, w, g, x, eps, True, False)
 
     @triton_op("specdec::gemv_add", mutates_args={})
     def gemv_add(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """`r + w @ x` for a residual r of N elements; returns [1, N]."""
+        """`r + x @ w.T` for a contiguous residual r of T rows of N."""
         return _launch(x, w, x, r, 0.0, False, True)
 
     @triton_op("specdec::gemv_rms_glu", mutates_args={})
     def gemv_rms_glu(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """`silu(a) * b` for [a | b] = `w @ (x / rms(x) * g)`, w = [gate; up] of 2N rows; returns [1, N]."""
+        """`silu(a) * b` for [a | b] = `rms_norm(x, g) @ w.T`, w = [gate; up] of 2N rows; one row."""
         return _launch(x, w, g, x, eps, True, False, glu=True)
 
 
@@ -234,7 +214,7 @@ def fused_one_token(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `rows_gemm` applies: 2..ROWS_MAX bf16/fp16 rows where Triton runs, a contiguous
+    """Whether the rows kernel applies: 2..ROWS_MAX bf16/fp16 rows where Triton runs, a contiguous
     weight of their dtype."""
     rows = x.numel() // x.shape[-1]
     return runs_on(x) and 1 < rows <= ROWS_MAX and weight.dtype == x.dtype and weight.is_contiguous()
@@ -242,40 +222,32 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: one bf16/fp16 row on CUDA through the Triton GEMV, up to
-    ROWS_MAX through `rows_gemm`, the rest through `few_row_linear`."""
-    if fused_one_token(x, weight):
-        y = gemv(x.reshape(-1).contiguous(), weight)
-    elif few_rows(x, weight):
-        y = rows_gemm(x.reshape(-1, x.shape[-1]).contiguous(), weight)
-    else:
+    ROWS_MAX through the rows kernel, the rest through `few_row_linear`."""
+    if not (fused_one_token(x, weight) or few_rows(x, weight)):
         return few_row_linear(x, weight, bias)
-    y = y.view(*x.shape[:-1], weight.shape[0])
+    y = gemv(_rows(x), weight).view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
 
 def folds(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_linear` and `linear_add` apply: one row (the GEMV) or, with ROWS_FOLD,
-    2..ROWS_MAX (rows_gemm)."""
+    2..ROWS_MAX (the rows kernel)."""
     return fused_one_token(x, weight) or (ROWS_FOLD and few_rows(x, weight))
 
 
 def rms_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(rms_norm(x, g, eps), weight)` in one kernel (call only where `folds`)."""
-    if fused_one_token(x, weight):
-        out = gemv_rms(x.reshape(-1).contiguous(), g, weight, eps)
-    else:
-        out = rows_gemm_rms(x.reshape(-1, x.shape[-1]).contiguous(), g, weight, eps)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return gemv_rms(_rows(x), g, weight, eps).view(*x.shape[:-1], weight.shape[0])
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """`residual + F.linear(x, weight)` in one kernel (call only where `folds`)."""
-    if fused_one_token(x, weight):
-        out = gemv_add(x.reshape(-1).contiguous(), weight, residual.reshape(-1).contiguous())
-    else:
-        n = weight.shape[0]
-        out = rows_gemm_add(x.reshape(-1, x.shape[-1]).contiguous(), weight, residual.reshape(-1, n).contiguous())
-    return out.view(*x.shape[:-1], weight.shape[0])
+    n = weight.shape[0]
+    return gemv_add(_rows(x), weight, residual.reshape(-1, n).contiguous()).view(*x.shape[:-1], n)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
 
 
 def folds_glu(weight: torch.Tensor) -> bool:
@@ -286,4 +258,4 @@ def folds_glu(weight: torch.Tensor) -> bool:
 def rms_glu_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for [gate | up] = `F.linear(rms_norm(x, g, eps), weight)` in one kernel, for
     weight = [gate; up] (call only where `fused_one_token`)."""
-    return gemv_rms_glu(x.reshape(-1).contiguous(), g, weight, eps).view(*x.shape[:-1], weight.shape[0] // 2)
+    return gemv_rms_glu(_rows(x), g, weight, eps).view(*x.shape[:-1], weight.shape[0] // 2)

@@ -166,3 +166,37 @@ def test_steps_through_the_kernels_match_hf(tiny_targets, arch, monkeypatch):
     want = plain.step(tree, pos, 15, TREE.numpy(), 5).logits.float().cpu()
     check(fused.step(tree, pos, 15, TREE.numpy(), 5).logits, want)
     assert calls["attention"] == layers * 7
+
+
+def test_engine_trees_through_the_kernels(tiny_targets, monkeypatch):
+    """FastEngine's speculative steps through the kernels: oracle trees of 12 drafted tokens (the
+    rows kernel, the attention kernels under tree masks, then cache compaction) give the plain
+    greedy output of the same kernels, token for token."""
+    from specdec.engine.api import SamplingParams
+    from specdec.engine.fast import FastEngine
+    from specdec.engine.tree import TreeConfig
+    from specdec.models.target import Target
+    from tests.test_engine_lossless import OracleProposer
+
+    base = tiny_targets["qwen2"]
+    target = Target(copy.deepcopy(base.model).to(DEV, torch.bfloat16), base.tokenizer, name="tiny-qwen2-bf16")
+    prompt = torch.randint(0, 250, (7,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+
+    def engine(**kw):
+        eng = FastEngine(target, require_cuda=False, compile=False, max_len=64, prefill_chunk=8, **kw)
+        eng.fast.optimize(compile=False, cuda_graphs=False, gemv=True)
+        return eng
+
+    ref = engine().generate(prompt, params).token_ids
+    sizes = []  # tokens per step that ran the attention kernels
+
+    def counted(qkv, *a, real=decode_attention.decode_attention):
+        sizes.append(qkv.shape[0])
+        return real(qkv, *a)
+
+    monkeypatch.setattr(decode_attention, "decode_attention", counted)
+    tree = TreeConfig(depth=4, top_k=3, total_tokens=12)
+    res = engine(proposer=OracleProposer(ref, len(prompt), seed=3, width=3), k=4, tree=tree).generate(prompt, params)
+    assert res.token_ids == ref
+    assert res.accepted > 0 and 13 in sizes  # the tree steps (12 drafted + 1) ran the kernels

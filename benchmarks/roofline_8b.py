@@ -13,7 +13,7 @@ Variants, each a separate compile (torch._dynamo.reset() between them):
     products   nocd with gemv.py's kernels (one token: norms and residual adds folded into the
                products, SiLU * up too below engine/gemv.py's GLU_FOLD_MAX_BYTES; 2..16 tokens:
                the rows kernel), attention as compiled ops
-    default    products + decode_attention.py's attention kernels for steps of up to 64 query
+    default    products + decode_attention.py's attention kernels for steps of up to 32 query
                rows per kv head (the key rope and cache write stay compiled)   <- the fast path
     autotune   mode="max-autotune-no-cudagraphs" + coordinate descent (Triton GEMM templates
                for the small-M verify matmuls)

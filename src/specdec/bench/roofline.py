@@ -222,7 +222,7 @@ KNOBS = {
     "bs": ("decode_attention", "BLOCK_S", int, 32),  # cache slots per attention split program
     "rows": ("gemv", "ROWS_MAX", int, 16),  # steps of 2..N tokens through the rows kernel (0: cuBLAS)
     "rowsfold": ("gemv", "ROWS_FOLD", bool, True),  # norms and residual adds folded into the rows kernel
-    "att": ("decode_attention", "MAX_ROWS", int, 64),  # attention kernels up to N query rows (0: never)
+    "att": ("decode_attention", "MAX_ROWS", int, 32),  # attention kernels up to N query rows (0: never)
 }
 
 

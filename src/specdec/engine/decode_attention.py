@@ -37,9 +37,11 @@ from .gemv import runs_on, triton
 BLOCK_S = 32  # cache slots per split program: 1,152 slots x 8 kv heads = 288 programs on 8B shapes
 COMBINE_CHUNK = 32  # partials summed per pass of the combine kernel
 # Query rows per split program, tokens x query heads per kv head: a verify step of 8 tokens on
-# Llama-3 shapes (G = 4) has 32; larger steps (trees, prefill chunks) keep the compiled attention,
-# whose products suit many rows.
-MAX_ROWS = 64
+# Llama-3 shapes (G = 4) has 32. Larger steps (16 tokens there, trees, prefill chunks) keep the
+# compiled attention, whose products suit many rows: on an H200, 8B shapes, 16 tokens cost 4.927
+# ms through these kernels (64 rows) against 4.838 through the compiled attention, where 8 tokens
+# cost 4.749 against 4.794 (one call each, BENCHMARKS.md).
+MAX_ROWS = 32
 
 if triton is not None:
     import triton.language as tl

@@ -6,8 +6,9 @@ Two measurements on the GPU, written to --out as JSON:
    a CUDA graph under torch.profiler: GPU time per kernel family (matrix-vector products,
    attention, norms and other fused elementwise kernels), per step, next to the graph replay's
    wall time. The floor is set by the products; everything else is overhead to fuse away.
-2. A split-free Triton GEMV (each program streams BLOCK_N full rows) against F.linear for the
-   step's weight shapes, as effective bandwidth in TB/s against the measured copy bandwidth.
+2. engine/gemv.py's GEMV kernel (each program streams BLOCK_N full rows) at every block size it
+   autotunes over, against F.linear, for the step's weight shapes, as effective bandwidth in TB/s
+   against the measured copy bandwidth.
 
     python benchmarks/profile_8b.py --out $OUT          # H200, ~3 min
 """
@@ -73,24 +74,15 @@ def profile_step(dec: FastDecoder, ctx: int, steps: int = 20, T: int = 1) -> dic
 
 
 def triton_gemv():
+    """engine/gemv.py's one-token kernel at fixed block sizes, no norm or residual folded in."""
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def kernel(W, X, Y, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(W + rows[:, None] * K + cols[None, :], mask=rows[:, None] < N, other=0.0)
-            x = tl.load(X + cols)
-            acc += w.to(tl.float32) * x[None, :].to(tl.float32)
-        tl.store(Y + rows, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=rows < N)
+    from specdec.engine.gemv import _gemv_kernel
 
     def run(w, x, y, block_n, block_k, warps, stages):
         n, k = w.shape
-        kernel[(triton.cdiv(n, block_n),)](w, x, y, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
-                                           num_warps=warps, num_stages=stages)
+        _gemv_kernel[(triton.cdiv(n, block_n),)](w, x, y, x, x, n, 0.0, k, NORM=False, RESIDUAL=False, GLU=False,
+                                                 BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return run
 
 

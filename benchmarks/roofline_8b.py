@@ -195,10 +195,11 @@ def check_decode(model, dec: FastDecoder, prefill: int = 16, steps: int = 4) -> 
     def hf_last():
         return model(input_ids=torch.tensor([ids], device=dec.device)).logits[0, -1].float()
 
+    ref = hf_last()
     for t in range(prefill, prefill + steps):
-        ids.append(int(hf_last().argmax()))
+        ids.append(int(ref.argmax()))
         got = dec.step([ids[-1]], [t], t, _causal(1), 1).logits[0].float()
-        ref = hf_last()
+        ref = hf_last()  # also the next step's token
         rel.append(float((got - ref).norm() / ref.norm()))
         agree += int(got.argmax() == ref.argmax())
     return {"rel_err": rel, "argmax_agree": agree, "of": len(rel)}

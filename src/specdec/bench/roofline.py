@@ -218,12 +218,13 @@ def randomize_cache(dec, seed: int = 0) -> None:
 # Plan steps of benchmarks/roofline_8b.py and smollm2.py that set one of the fast path's kernel
 # constants for the variants after them; the name tags their results.
 KNOBS = {
-    "glu": ("gemv", "GLU_FOLD_MAX_BYTES", lambda v: 1 << 62 if v else 0, 32 << 20),  # glu=1: always fold
-    "bs": ("decode_attention", "BLOCK_S", int, 32),  # cache slots per attention split program
-    "rows": ("gemv", "ROWS_MAX", int, 16),  # steps of 2..N tokens through the rows kernel (0: cuBLAS)
-    "rowsfold": ("gemv", "ROWS_FOLD", bool, True),  # norms and residual adds folded into the rows kernel
-    "att": ("decode_attention", "MAX_ROWS", int, 32),  # attention kernels up to N query rows (0: never)
+    "glu": ("gemv", "GLU_FOLD_MAX_BYTES", lambda v: 1 << 62 if v else 0),  # glu=1: always fold
+    "bs": ("decode_attention", "BLOCK_S", int),  # cache slots per attention split program
+    "rows": ("gemv", "ROWS_MAX", int),  # steps of 2..N tokens through the rows kernel (0: cuBLAS)
+    "rowsfold": ("gemv", "ROWS_FOLD", bool),  # norms and residual adds folded into the rows kernel
+    "att": ("decode_attention", "MAX_ROWS", int),  # attention kernels up to N query rows (0: never)
 }
+_SHIPPED: dict[str, object] = {}  # each constant's value before the first knob step changed it
 
 
 def apply_knob(step: str, tags: dict) -> bool:
@@ -234,8 +235,10 @@ def apply_knob(step: str, tags: dict) -> bool:
     name, eq, value = step.partition("=")
     if not eq or name not in KNOBS:
         return False
-    module, attr, convert, shipped = KNOBS[name]
+    module, attr, convert = KNOBS[name]
+    mod = importlib.import_module(f"specdec.engine.{module}")
+    shipped = _SHIPPED.setdefault(name, getattr(mod, attr))
     v = convert(int(value))
-    setattr(importlib.import_module(f"specdec.engine.{module}"), attr, v)
+    setattr(mod, attr, v)
     tags[name] = "" if v == shipped else f"@{name}{value}"
     return True

@@ -367,10 +367,10 @@ class FastDecoder:
 
         `coordinate_descent` sets inductor's coordinate_descent_tuning, which also turns every
         matrix-vector product (one token) into a tuned Triton reduction instead of a cuBLAS GEMV.
-        `gemv` routes one-token products through gemv.py's Triton kernels instead, each RMSNorm and
-        residual add folded into its product (None: wherever Triton runs, i.e. on CUDA), and
-        `attention_kernel` (None: as `gemv`) a one-token step's attention through
-        decode_attention.py's kernels. Graphs captured before are dropped."""
+        `gemv` routes the products of steps of up to gemv.ROWS_MAX tokens through gemv.py's Triton
+        kernels instead, each RMSNorm and residual add folded into its product (None: wherever
+        Triton runs, i.e. on CUDA), and `attention_kernel` (None: as `gemv`) the attention of steps
+        that fit decode_attention.py's kernels through them. Graphs captured before are dropped."""
         if self.device.type != "cuda" and cuda_graphs:
             raise SpecdecError("CUDA graphs need a CUDA device; found " + str(self.device))
         if gemv is None:

@@ -170,19 +170,17 @@ if triton is not None:
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]),)
 
-        # Block sizes are tuned per shape on the GPU; the interpreter has no timer to tune with.
         if t == 1:
+            tuned, plain, args = _gemv_tuned, _gemv_kernel, (w, x, y, g, r, n, eps, k)
             flags = dict(NORM=norm, RESIDUAL=residual, GLU=glu)
-            if x.is_cuda:
-                wrap_triton(_gemv_tuned)[grid](w, x, y, g, r, n, eps, k, **flags)
-            else:
-                wrap_triton(_gemv_kernel)[grid](w, x, y, g, r, n, eps, k, **flags, BLOCK_N=16, BLOCK_K=64)
         else:
+            tuned, plain, args = _rows_tuned, _rows_kernel, (w, x, y, g, r, n, t, eps, k)
             flags = dict(TP=16, NORM=norm, RESIDUAL=residual, UPCAST=not x.is_cuda)
-            if x.is_cuda:
-                wrap_triton(_rows_tuned)[grid](w, x, y, g, r, n, t, eps, k, **flags)
-            else:
-                wrap_triton(_rows_kernel)[grid](w, x, y, g, r, n, t, eps, k, **flags, BLOCK_N=16, BLOCK_K=64)
+        # Block sizes are tuned per shape on the GPU; the interpreter has no timer to tune with.
+        if x.is_cuda:
+            wrap_triton(tuned)[grid](*args, **flags)
+        else:
+            wrap_triton(plain)[grid](*args, **flags, BLOCK_N=16, BLOCK_K=64)
         return y
 
     # Each op takes x as T contiguous rows of K ([K] or [T, K]) and returns [T, N].
@@ -207,17 +205,20 @@ if triton is not None:
         return _launch(x, w, g, x, eps, True, False, glu=True)
 
 
+def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return runs_on(x) and weight.dtype == x.dtype and weight.is_contiguous()
+
+
 def fused_one_token(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the kernels apply: one bf16/fp16 row on CUDA, a contiguous weight of its dtype. The
     tests are on shapes, dtype and device, so under torch.compile they resolve while tracing."""
-    return runs_on(x) and x.numel() == x.shape[-1] and weight.dtype == x.dtype and weight.is_contiguous()
+    return _takes(x, weight) and x.numel() == x.shape[-1]
 
 
 def few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the rows kernel applies: 2..ROWS_MAX bf16/fp16 rows where Triton runs, a contiguous
     weight of their dtype."""
-    rows = x.numel() // x.shape[-1]
-    return runs_on(x) and 1 < rows <= ROWS_MAX and weight.dtype == x.dtype and weight.is_contiguous()
+    return _takes(x, weight) and 1 < x.numel() // x.shape[-1] <= ROWS_MAX
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

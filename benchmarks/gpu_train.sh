@@ -36,6 +36,9 @@
 #                                    # or not (rowsfold=1/0); SmolLM2 shapes, steps and generate() end to end
 #   bash benchmarks/gpu_train.sh z   # SmolLM2 shapes: steps of 1..8 tokens, plain and EAGLE-3 engine steps (random
 #                                    # weights)
+#   bash benchmarks/gpu_train.sh verify  # 8B steps of 1..16 tokens: the attention's block for steps of > 1 token
+#                                        # (sbs=32/64/128) and the rows kernel's wider autotune set (rowscfg=0/1);
+#                                        # SmolLM2 shapes; the kernel tests on CUDA
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
 #
@@ -284,6 +287,15 @@ case "$1" in
       --plan "default:1,8;rowsfold=0;default:1,8;check" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
     timeout 80 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_rowsfold --budget-s 50 \
       --plan "default:1,4,8;e2e" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6
+    ;;
+  verify)
+    timeout 330 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_stepblock --budget-s 290 \
+      --plan "default:1,8;sbs=64;default:8;sbs=128;default:8;sbs=32;rowscfg=0;default:1,8;rowscfg=1;rowsfold=0;default:8;rowsfold=1;sbs=128;default:2,4,16;sbs=64;default:2,4,16;check;sbs=32;default:1,8" \
+      2>&1 | grep -v "Warning\|warnings.warn" | tail -22
+    timeout 100 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_stepblock --budget-s 75 \
+      --plan "hf;default:1,4,8;sbs=64;default:4,8;sbs=128;default:4,8;sbs=32;e2e" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -10
+    timeout 110 python3 -m pytest -q -x tests/test_triton_kernels.py 2>&1 | tail -3
     ;;
   z)
     timeout 150 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_rows --budget-s 120 \

@@ -66,7 +66,8 @@ def main() -> int:
                          "steps after a prefill, vs HF)  |  hf (HF eager ms/token)  |  bs=N (attention "
                          "kernel block, default 32)  |  glu=0/1 (SiLU * up never / always folded)  |  "
                          "rows=N (steps of 2..N tokens through the rows kernel, 0: cuBLAS)  |  att=N "
-                         "(attention kernels up to N query rows, 0: never); these hold from the next "
+                         "(attention kernels up to N query rows, 0: never)  |  sbs=N (attention block for steps of > 1 "
+                         "token)  |  rowscfg=0/1 (rows kernel autotuned over more configs); these hold from the next "
                          "variant on and tag its results")
     ap.add_argument("--tag", default="roofline_8b", help="name of the JSON file written under --out")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny random llama")

@@ -92,7 +92,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny random llama")
     args = ap.parse_args()
     if args.tiny:
-        args.plan = "hf;eager:1,8;e2e;fp32;bench"
+        if args.plan == ap.get_default("plan"):
+            args.plan = "hf;eager:1,8;e2e;fp32;bench"
         args.ctx, args.max_new_tokens, args.limit = 32, 12, 2
     t_start = time.time()
     out = Path(args.out)

@@ -78,12 +78,13 @@ TREE = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0
 
 # (query heads, kv heads, head size, cache slots, the step's first slot, its tree mask): GQA groups
 # of 2, 3 (not a power of two, SmolLM2's) and 4 (Llama-3's); one token at the first and at the
-# last slot; a cache that does not divide into the kernel's blocks; a chain of 8 tokens (32 rows,
-# a verify step on Llama-3 shapes) across a block boundary; a tree.
+# last slot; a cache that does not divide into the kernel's blocks; chains of 8 tokens (32 rows,
+# a verify step on Llama-3 shapes) across a block boundary (of 32, and of 32, 64 and 128); a tree.
 @pytest.mark.parametrize("nh,nkv,hd,S,slot0,tm", [
     (4, 2, 16, 96, 37, torch.ones(1, 1)), (9, 3, 64, 128, 0, torch.ones(1, 1)),
     (9, 3, 64, 128, 127, torch.ones(1, 1)), (8, 2, 32, 70, 45, torch.ones(1, 1)),
-    (8, 2, 32, 96, 27, torch.ones(8, 8).tril()), (9, 3, 64, 128, 60, TREE), (4, 2, 16, 64, 0, TREE),
+    (8, 2, 32, 96, 27, torch.ones(8, 8).tril()), (8, 2, 32, 160, 124, torch.ones(8, 8).tril()),
+    (9, 3, 64, 128, 60, TREE), (4, 2, 16, 64, 0, TREE),
 ])
 def test_step_attention_matches_softmax_attention(nh, nkv, hd, S, slot0, tm):
     T = tm.shape[0]

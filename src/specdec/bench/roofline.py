@@ -223,6 +223,8 @@ KNOBS = {
     "rows": ("gemv", "ROWS_MAX", int),  # steps of 2..N tokens through the rows kernel (0: cuBLAS)
     "rowsfold": ("gemv", "ROWS_FOLD", bool),  # norms and residual adds folded into the rows kernel
     "att": ("decode_attention", "MAX_ROWS", int),  # attention kernels up to N query rows (0: never)
+    "sbs": ("decode_attention", "STEP_BLOCK_S", int),  # cache slots per split program, steps of > 1 token
+    "rowscfg": ("gemv", "ROWS_MORE_CONFIGS", bool),  # the rows kernel's autotuner tries _ROWS_MORE too
 }
 _SHIPPED: dict[str, object] = {}  # each constant's value before the first knob step changed it
 

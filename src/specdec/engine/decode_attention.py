@@ -35,6 +35,11 @@ import torch
 from .gemv import runs_on, triton
 
 BLOCK_S = 32  # cache slots per split program: 1,152 slots x 8 kv heads = 288 programs on 8B shapes
+# Cache slots per split program for steps of more than one token: each program's partial is
+# T x G rows of head size in fp32, so at 8 tokens on 8B shapes the partials written and read back
+# by the combine are as many bytes as the live cache at 32 slots per program; fewer, larger
+# blocks cut them (benchmarks/roofline_8b.py's sbs=N steps set it).
+STEP_BLOCK_S = 32
 COMBINE_CHUNK = 32  # partials summed per pass of the combine kernel
 # Query rows per split program, tokens x query heads per kv head: a verify step of 8 tokens on
 # Llama-3 shapes (G = 4) has 32. Larger steps (16 tokens there, trees, prefill chunks) keep the
@@ -132,17 +137,18 @@ if triton is not None:
         T = qkv.shape[0]
         _, nkv, S, hd = kv.shape
         g = heads // nkv
-        nsplit = triton.cdiv(S, BLOCK_S)
+        bs = BLOCK_S if T == 1 else STEP_BLOCK_S
+        nsplit = triton.cdiv(S, bs)
         po = torch.empty(T * heads, nsplit, hd, device=qkv.device, dtype=torch.float32)
         pm = torch.empty(T * heads, nsplit, device=qkv.device, dtype=torch.float32)
         pl = torch.empty_like(pm)
         out = torch.empty(T, heads * hd, device=qkv.device, dtype=qkv.dtype)
         wrap_triton(_split_kernel)[(nkv, nsplit)](
             qkv, cos, sin, kv, slots, tm, po, pm, pl, qkv.stride(0), nkv * S * hd, S, nsplit, scale,
-            T=T, HEADS=heads, HD=hd, G=g, GP=max(16, triton.next_power_of_2(g * T)), BLOCK_S=BLOCK_S,
+            T=T, HEADS=heads, HD=hd, G=g, GP=max(16, triton.next_power_of_2(g * T)), BLOCK_S=bs,
             UPCAST=not qkv.is_cuda, num_warps=4)
         wrap_triton(_combine_kernel)[(T * heads,)](
-            po, pm, pl, out, slots, nsplit, T=T, BLOCK_S=BLOCK_S, HD=hd, SP=triton.next_power_of_2(nsplit),
+            po, pm, pl, out, slots, nsplit, T=T, BLOCK_S=bs, HD=hd, SP=triton.next_power_of_2(nsplit),
             CHUNK=COMBINE_CHUNK, num_warps=4)
         return out
 

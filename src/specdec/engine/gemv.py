@@ -69,6 +69,9 @@ ROWS_MAX = 16
 # renormalises its slice of x (the products slow by ~6% on 8B shapes) but ~3 kernels per layer go:
 # 8 tokens 4.916 against 5.018 ms in one H200 call (BENCHMARKS.md). rowsfold=0/1 steps set it.
 ROWS_FOLD = True
+# Whether the rows kernel's autotuner also tries deeper pipelines, wider K chunks and 8 warps
+# (`_ROWS_MORE`); benchmarks/roofline_8b.py's rowscfg=0/1 steps set it.
+ROWS_MORE_CONFIGS = True
 
 
 def available() -> bool:
@@ -153,12 +156,19 @@ if triton is not None:
             acc += tl.load(R + out, mask=inside, other=0.0).to(tl.float32)
         tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=inside)
 
-    _rows_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=4, num_stages=st)
-                 for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)]
-        + [triton.Config({"BLOCK_N": 16, "BLOCK_K": 512}, num_warps=4, num_stages=st) for st in (2, 3)],
-        key=["N", "K", "NORM"],
-    )(_rows_kernel)
+    def _rows_config(bn: int, bk: int, stages: int, warps: int = 4):
+        return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+
+    _ROWS_CONFIGS = ([_rows_config(bn, bk, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)]
+                     + [_rows_config(16, 512, st) for st in (2, 3)])
+    # More bytes in flight per program (deeper pipelines, wider K chunks, 8 warps): the narrow
+    # products (o_proj, down_proj: 4,096 rows, 256 programs of 16) have few programs per SM.
+    _ROWS_MORE = ([_rows_config(16, 128, 6), _rows_config(16, 256, 5), _rows_config(16, 512, 4),
+                   _rows_config(16, 1024, 2), _rows_config(32, 512, 2), _rows_config(32, 512, 3)]
+                  + [_rows_config(bn, bk, st, 8) for bn, bk, st in ((32, 256, 4), (64, 256, 3), (32, 512, 3),
+                                                                   (64, 512, 2), (128, 128, 3))])
+    _rows_tuned = {more: triton.autotune(configs=_ROWS_CONFIGS + (_ROWS_MORE if more else []),
+                                         key=["N", "K", "NORM"])(_rows_kernel) for more in (False, True)}
 
     def _launch(x, w, g, r, eps: float, norm: bool, residual: bool, glu: bool = False) -> torch.Tensor:
         """y [T, N] for x of T rows of K (T = 1: the GEMV; 2..ROWS_MAX: the rows kernel)."""
@@ -174,7 +184,7 @@ if triton is not None:
             tuned, plain, args = _gemv_tuned, _gemv_kernel, (w, x, y, g, r, n, eps, k)
             flags = dict(NORM=norm, RESIDUAL=residual, GLU=glu)
         else:
-            tuned, plain, args = _rows_tuned, _rows_kernel, (w, x, y, g, r, n, t, eps, k)
+            tuned, plain, args = _rows_tuned[ROWS_MORE_CONFIGS], _rows_kernel, (w, x, y, g, r, n, t, eps, k)
             flags = dict(TP=16, NORM=norm, RESIDUAL=residual, UPCAST=not x.is_cuda)
         # Block sizes are tuned per shape on the GPU; the interpreter has no timer to tune with.
         if x.is_cuda:

@@ -289,13 +289,14 @@ case "$1" in
       --plan "default:1,4,8;e2e" 2>&1 | grep -v "Warning\|warnings.warn" | tail -6
     ;;
   verify)
-    timeout 330 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_stepblock --budget-s 290 \
-      --plan "default:1,8;sbs=64;default:8;sbs=128;default:8;sbs=32;rowscfg=0;default:1,8;rowscfg=1;rowsfold=0;default:8;rowsfold=1;sbs=128;default:2,4,16;sbs=64;default:2,4,16;check;sbs=32;default:1,8" \
-      2>&1 | grep -v "Warning\|warnings.warn" | tail -22
-    timeout 100 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_stepblock --budget-s 75 \
-      --plan "hf;default:1,4,8;sbs=64;default:4,8;sbs=128;default:4,8;sbs=32;e2e" 2>&1 \
-      | grep -v "Warning\|warnings.warn" | tail -10
-    timeout 110 python3 -m pytest -q -x tests/test_triton_kernels.py 2>&1 | tail -3
+    timeout 300 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_stepblock --budget-s 260 \
+      --plan "default:1,8;rowscfg=0;default:1,8;rowscfg=1;sbs=64;default:8;sbs=128;default:2,4,8,16;sbs=32;default:2,4,16;check" \
+      2>&1 | grep -v "Warning\|warnings.warn" | tail -16
+    timeout 90 python3 benchmarks/profile_8b.py --out "$OUT" --gemv-budget-s 0 --profiles default@1,default@8 2>&1 \
+      | grep -v Warning | tail -3
+    timeout 80 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_stepblock --budget-s 60 \
+      --plan "hf;default:1,8;sbs=64;default:8;sbs=128;default:8;sbs=32;e2e" 2>&1 \
+      | grep -v "Warning\|warnings.warn" | tail -8
     ;;
   z)
     timeout 150 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_rows --budget-s 120 \

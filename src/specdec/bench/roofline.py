@@ -243,4 +243,8 @@ def apply_knob(step: str, tags: dict) -> bool:
     v = convert(int(value))
     setattr(mod, attr, v)
     tags[name] = "" if v == shipped else f"@{name}{value}"
+    # Some knobs are read only inside a Triton op's body (a block size, the autotuner's configs), where
+    # inductor's graph cache does not see them: without its key changing, a variant compiled after
+    # the knob was served the graph compiled before it (H200, BENCHMARKS.md).
+    torch.compiler.config.cache_key_tag = "".join(tags.values())
     return True

@@ -39,6 +39,8 @@
 #   bash benchmarks/gpu_train.sh verify  # 8B steps of 1..16 tokens: the attention's block for steps of > 1 token
 #                                        # (sbs=32/64/128) and the rows kernel's wider autotune set (rowscfg=0/1);
 #                                        # SmolLM2 shapes; the kernel tests on CUDA
+#   bash benchmarks/gpu_train.sh rows    # the rows kernel's configs one by one on the 8B shapes, the autotuner's picks;
+#                                        # then two fresh processes timing the 8B steps of 1 and 8 tokens
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
 #
@@ -297,6 +299,13 @@ case "$1" in
     timeout 80 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_stepblock --budget-s 60 \
       --plan "hf;default:1,8;sbs=64;default:8;sbs=128;default:8;sbs=32;e2e" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -8
+    ;;
+  rows)
+    timeout 240 python3 benchmarks/rows_configs.py --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8
+    for i in 1 2; do  # fresh processes, inductor's caches off: each autotunes its kernels again
+      TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 timeout 110 python3 benchmarks/roofline_8b.py --out "$OUT" \
+        --tag h200_roofline_8b_process$i --budget-s 80 --plan "default:1,8" 2>&1 | grep "T=" | tail -2
+    done
     ;;
   z)
     timeout 150 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_rows --budget-s 120 \

@@ -35,10 +35,10 @@ import torch
 from .gemv import runs_on, triton
 
 BLOCK_S = 32  # cache slots per split program: 1,152 slots x 8 kv heads = 288 programs on 8B shapes
-# Cache slots per split program for steps of more than one token: each program's partial is
-# T x G rows of head size in fp32, so at 8 tokens on 8B shapes the partials written and read back
-# by the combine are as many bytes as the live cache at 32 slots per program; fewer, larger
-# blocks cut them (benchmarks/roofline_8b.py's sbs=N steps set it).
+# Cache slots per split program for steps of more than one token. At 8 tokens on 8B shapes the
+# fp32 partials are as many bytes as the live cache, but fewer, larger blocks did not pay: the
+# 8-token step cost 4.999 ms at 32 slots, 5.060 at 64, 5.102 at 128 (one H200 call, BENCHMARKS.md;
+# the split kernel is bound by latency). benchmarks/roofline_8b.py's sbs=N steps set it.
 STEP_BLOCK_S = 32
 COMBINE_CHUNK = 32  # partials summed per pass of the combine kernel
 # Query rows per split program, tokens x query heads per kv head: a verify step of 8 tokens on

@@ -107,6 +107,31 @@ def test_step_attention_matches_softmax_attention(nh, nkv, hd, S, slot0, tm):
     assert torch.isnan(kv[:, :, slot0 + T :]).all()  # untouched
 
 
+@pytest.mark.parametrize("block", [64, 128])
+def test_step_attention_with_larger_blocks_for_steps(block, monkeypatch):
+    # Steps of more than one token split the cache into blocks of their own (benchmarks' sbs=N).
+    monkeypatch.setattr(decode_attention, "STEP_BLOCK_S", block)
+    test_step_attention_matches_softmax_attention(8, 2, 32, 160, 124, torch.ones(8, 8).tril())
+    test_step_attention_matches_softmax_attention(9, 3, 64, 192, 60, TREE)
+
+
+def test_kernel_knobs_key_the_compile_cache(monkeypatch):
+    # A knob read only inside a Triton op's body must change inductor's cache key, or a variant
+    # compiled after it is served the graph compiled before it.
+    import torch.compiler
+
+    from specdec.bench import roofline
+
+    monkeypatch.setattr(decode_attention, "STEP_BLOCK_S", decode_attention.STEP_BLOCK_S)
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "")
+    tags: dict = {}
+    assert roofline.apply_knob("sbs=64", tags) and decode_attention.STEP_BLOCK_S == 64
+    assert tags == {"sbs": "@sbs64"} and torch.compiler.config.cache_key_tag == "@sbs64"
+    shipped = roofline._SHIPPED["sbs"]
+    assert roofline.apply_knob(f"sbs={shipped}", tags) and torch.compiler.config.cache_key_tag == ""
+    assert not roofline.apply_knob("check", tags)
+
+
 def test_split_argmax_matches_argmax():
     from specdec.engine.fast import split_argmax
 

@@ -37,8 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from specdec.bench.roofline import (  # noqa: E402
-    apply_knob, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms,
-    kv_bytes_per_token,
+    apply_knob, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kv_bytes_per_token,
     llama31_8b_config, random_model, randomize_cache, weight_bytes,
 )
 from specdec.engine.fast import FastDecoder, _causal  # noqa: E402

@@ -36,8 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from specdec.bench.roofline import (  # noqa: E402
-    apply_knob, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms,
-    kv_bytes_per_token,
+    apply_knob, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kv_bytes_per_token,
     random_model, randomize_cache, smollm2_135m_config, weight_bytes,
 )
 from specdec.engine.api import SamplingParams  # noqa: E402

@@ -41,6 +41,8 @@
 #                                        # SmolLM2 shapes; the kernel tests on CUDA
 #   bash benchmarks/gpu_train.sh rows    # the rows kernel's configs one by one on the 8B shapes, the autotuner's picks;
 #                                        # then two fresh processes timing the 8B steps of 1 and 8 tokens
+#   bash benchmarks/gpu_train.sh pack    # 8B steps of 1 and 8 tokens with the products' weights packed into
+#                                        # contiguous blocks (pack=1) or row-major, alternating; logits against HF
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
 #
@@ -299,6 +301,16 @@ case "$1" in
     timeout 80 python3 benchmarks/smollm2.py --out "$OUT" --tag h200_smollm2_stepblock --budget-s 60 \
       --plan "hf;default:1,8;sbs=64;default:8;sbs=128;default:8;sbs=32;e2e" 2>&1 \
       | grep -v "Warning\|warnings.warn" | tail -8
+    ;;
+  pack)
+    python3 -m pytest -q tests/test_triton_kernels.py -k "packed or pack_layout" 2>&1 | tail -2
+    timeout 330 python3 benchmarks/roofline_8b.py --out "$OUT" --tag h200_roofline_8b_pack --budget-s 300 \
+      --plan "default:1,8;pack=1;default:1,8;pack=0;default:1,8;pack=1;default:1,8;check" \
+      2>&1 | grep -v "Warning\|warnings.warn" | tail -12
+    for i in 1 2; do  # fresh processes, inductor's caches off
+      TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 timeout 100 python3 benchmarks/roofline_8b.py --out "$OUT" \
+        --tag h200_roofline_8b_pack_process$i --budget-s 75 --plan "pack=1;default:1,8" 2>&1 | grep "T=" | tail -2
+    done
     ;;
   rows)
     timeout 240 python3 benchmarks/rows_configs.py --out "$OUT" 2>&1 | grep -v "Warning\|warnings.warn" | tail -8

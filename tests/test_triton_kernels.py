@@ -226,3 +226,58 @@ def test_engine_trees_through_the_kernels(tiny_targets, monkeypatch):
     res = engine(proposer=OracleProposer(ref, len(prompt), seed=3, width=3), k=4, tree=tree).generate(prompt, params)
     assert res.token_ids == ref
     assert res.accepted > 0 and 13 in sizes  # the tree steps (12 drafted + 1) ran the kernels
+
+
+@pytest.mark.parametrize("t", [1, 5])  # the one-token GEMV and the rows kernel
+def test_packed_weights_match_row_major(t):
+    """A weight packed into contiguous blocks (gemv.pack) gives the products of the row-major one,
+    norms and residual adds folded in; steps of more rows than the kernels take unpack it."""
+    n, k, layout = 48, 128, (16, 32)
+    x, w, r = _randn(t, k, seed=11), _randn(n, k, seed=12), _randn(t, n, seed=13)
+    g = _randn(k, seed=14).abs() + 0.5
+    p = gemv.pack(w, layout)
+    assert p.shape == (3, 4, 16, 32) and torch.equal(gemv.unpack(p), w)
+    assert (gemv.out_features(p), gemv.in_features(p)) == (n, k)
+    xf = x.float()
+    want = xf @ w.float().T
+    _close(gemv.gemv(x, p), want, want.abs().max())
+    _close(gemv.gemv_add(x, p, r), want + r.float(), want.abs().max())
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * g.float()
+    want = normed @ w.float().T
+    _close(gemv.gemv_rms(x, g, p, 1e-5), want, want.abs().max())
+    many = _randn(gemv.ROWS_MAX + 3, k, seed=15)
+    want = many.float() @ w.float().T
+    assert not gemv.few_rows(many, p)
+    _close(gemv.gemv_linear(many, p), want, want.abs().max())
+
+
+def test_pack_layout_by_size_and_shape(monkeypatch):
+    assert gemv.pack_layout(28672, 4096, 235 << 20) is None  # off by default (a second copy)
+    monkeypatch.setattr(gemv, "PACK_MIN_BYTES", 32 << 20)
+    assert gemv.pack_layout(28672, 4096, 235 << 20) == (128, 256)  # Llama-3.1-8B's gate/up
+    assert gemv.pack_layout(4096, 14336, 117 << 20) == (32, 512)  # its down
+    assert gemv.pack_layout(6144, 4096, 50 << 20) == (64, 256)  # its q/k/v
+    assert gemv.pack_layout(1152, 576, 1 << 20) is None  # SmolLM2's: under the size
+    assert gemv.pack_layout(6144, 4000, 50 << 20) is None  # blocks that do not divide it
+
+
+def test_steps_with_packed_weights_match_row_major(tiny_targets, monkeypatch):
+    """FastDecoder.optimize packs the products' weights where pack_layout says so, into new tensors
+    (the model's own stay row-major): steps of 1 and 3 tokens give the row-major decoder's logits."""
+    from specdec.engine import fast
+
+    model = copy.deepcopy(tiny_targets["llama"].model).to(DEV, torch.bfloat16)
+    ids = torch.randint(0, 250, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    row_major = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
+    before = [p.clone() for p in model.parameters()]
+    monkeypatch.setattr(fast, "pack_layout", lambda n, k, nbytes: (16, 32) if n % 16 == 0 and k % 32 == 0 else None)
+    packed = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
+    assert sum(a.dim() == 4 for args in packed._layer_args for a in args if a is not None) == 4 * len(packed.layers)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    for dec in (row_major, packed):
+        dec.step(ids[:8], list(range(8)), 0, _causal(8), 8)
+    for ts in ([8], [9, 10, 11]):
+        T = len(ts)
+        want = row_major.step([ids[t] for t in ts], ts, ts[0], _causal(T), T).logits.float().cpu()
+        got = packed.step([ids[t] for t in ts], ts, ts[0], _causal(T), T).logits.float().cpu()
+        assert (got - want).norm() <= 0.01 * want.norm()

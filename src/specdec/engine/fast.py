@@ -34,7 +34,7 @@ import math
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import numpy as np
@@ -49,7 +49,8 @@ from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from .engine import SpeculativeEngine, truncate_at_stop
 from .gemv import available as gemv_available
-from .gemv import folds, folds_glu, fused_one_token, gemv_linear, linear_add, rms_glu_linear, rms_linear
+from .gemv import (folds, folds_glu, fused_one_token, gemv_linear, linear_add, pack, pack_layout, rms_glu_linear,
+                   rms_linear)
 from . import decode_attention
 from .sampling import sample, target_probs
 from .tree import Draft, TreeConfig, ancestor_mask
@@ -260,6 +261,14 @@ class _Layer:
         return (self.ln1, self.wqkv, self.bqkv, self.qn, self.kn, self.wo, self.bo, self.ln2,
                 self.wgu, self.bgu, self.wd, self.bd)
 
+    def packed(self) -> "_Layer":
+        """This layer with its products' weights packed where gemv.pack_layout says so (new tensors)."""
+        def packed(w):
+            layout = pack_layout(*w.shape, w.numel() * w.element_size())
+            return w if layout is None else pack(w, layout)
+        return replace(self, wqkv=packed(self.wqkv), wo=packed(self.wo), wgu=packed(self.wgu),
+                                   wd=packed(self.wd))
+
 
 def _fuse(mods, share: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate the weights (and biases) of nn.Linear modules along the output dimension;
@@ -350,6 +359,7 @@ class FastDecoder:
         self.aux_layer_ids = list(aux_layer_ids or [])
         self.last_state = last_state
         self._layer = make_layer_fn(s)
+        self._layer_args = [lw.args() for lw in self.layers]
         self._prep = make_prep_fn(s, self.cache_len)
         self._head = make_head_fn(s)
         self.use_graphs = False
@@ -380,6 +390,10 @@ class FastDecoder:
         self._layer = make_layer_fn(self.shapes, gemv, attention_kernel)
         self._prep = make_prep_fn(self.shapes, self.cache_len)
         self._head = make_head_fn(self.shapes, gemv)
+        # The kernels' packed weights, where gemv.PACK_MIN_BYTES asks for them (a second copy; the
+        # previous packing is dropped first).
+        self._layer_args = []
+        self._layer_args = [(lw.packed() if gemv else lw).args() for lw in self.layers]
         if compile:
             import torch._inductor.config as ic
 
@@ -445,10 +459,10 @@ class FastDecoder:
         x, cos, sin, slots, mask, tm = self._prep(staging, self.embed, self.cos, self.sin)
         states = {}
         L = self.shapes.num_layers
-        for i, lw in enumerate(self.layers):
+        for i, args in enumerate(self._layer_args):
             if capture and i in self.aux_layer_ids:
                 states[i] = x
-            x = self._layer(x, *lw.args(), self.kv[i], cos, sin, slots, mask, tm)
+            x = self._layer(x, *args, self.kv[i], cos, sin, slots, mask, tm)
         aux = None
         if capture:
             if L in self.aux_layer_ids:

@@ -72,6 +72,12 @@ ROWS_FOLD = True
 # Whether the rows kernel's autotuner also tries deeper pipelines, wider K chunks and 8 warps
 # (`_ROWS_MORE`); benchmarks/roofline_8b.py's rowscfg=0/1 steps set it.
 ROWS_MORE_CONFIGS = True
+# Products whose weight has at least this many bytes are packed (`pack`) by FastDecoder.optimize when
+# the kernels run, into a second copy (the model's own weights stay as they are, for everything else
+# that reads them). Off by default: that copy costs the weights' memory again. On an H200 the packed
+# rows kernel streams Llama-3.1-8B's products for 8 tokens as fast as the one-token GEMV streams the
+# row-major ones (benchmarks/rows_variants.py). benchmarks/roofline_8b.py's pack=1 steps set 32 MB.
+PACK_MIN_BYTES = 1 << 62
 
 
 def available() -> bool:
@@ -88,7 +94,10 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(W, X, Y, G, R, N, eps, K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                     GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LBN: tl.constexpr = 0,
+                     LBK: tl.constexpr = 0):
+        # LBN = 0: W is row-major [N, K]; else packed [N / LBN, K / LBK, LBN, LBK] (see `pack`), read
+        # in chunks of BLOCK_K = a multiple of LBK, each row's chunk in runs of LBK contiguous elements.
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -100,7 +109,11 @@ if triton is not None:
             if NORM:
                 squares += x * x
                 x = x * tl.load(G + cols, mask=keep, other=0.0).to(tl.float32)
-            tile = rows[:, None] * K + cols[None, :]
+            if LBN == 0:
+                tile = rows[:, None] * K + cols[None, :]
+            else:
+                tile = ((rows // LBN) * (K * LBN) + (rows % LBN) * LBK)[:, None] + \
+                    ((cols // LBK) * (LBN * LBK) + cols % LBK)[None, :]
             inside = (rows[:, None] < N) & keep[None, :]
             acc += tl.load(W + tile, mask=inside, other=0.0).to(tl.float32) * x[None, :]
             if GLU:  # W is [gate; up], 2N rows: this program also streams the up rows of its gate rows
@@ -171,19 +184,72 @@ if triton is not None:
     _rows_tuned = {more: triton.autotune(configs=_ROWS_CONFIGS + (_ROWS_MORE if more else []),
                                          key=["N", "K", "NORM"])(_rows_kernel) for more in (False, True)}
 
+    @triton.jit
+    def _rows_packed_kernel(W, X, Y, G, R, N, T, eps, K: tl.constexpr, TP: tl.constexpr, NORM: tl.constexpr,
+                            RESIDUAL: tl.constexpr, LBN: tl.constexpr, LBK: tl.constexpr, UPCAST: tl.constexpr):
+        # `_rows_kernel` over a packed weight [N / LBN, K / LBK, LBN, LBK]: program pid streams its
+        # LBN rows as K / LBK tiles, each one contiguous run of LBN * LBK elements.
+        pid = tl.program_id(0)
+        KB: tl.constexpr = K // LBK
+        base = W + pid.to(tl.int64) * (KB * LBN * LBK)
+        tile = tl.arange(0, LBN)[:, None] * LBK + tl.arange(0, LBK)[None, :]
+        t = tl.arange(0, TP)
+        acc = tl.zeros((LBN, TP), dtype=tl.float32)
+        squares = tl.zeros((TP,), dtype=tl.float32)
+        for kb in range(KB):
+            cols = kb * LBK + tl.arange(0, LBK)
+            w = tl.load(base + kb * (LBN * LBK) + tile)
+            x = tl.load(X + t[None, :] * K + cols[:, None], mask=t[None, :] < T, other=0.0)
+            if NORM:
+                xf = x.to(tl.float32)
+                squares += tl.sum(xf * xf, axis=0)
+                x = (xf * tl.load(G + cols).to(tl.float32)[:, None]).to(x.dtype)
+            if UPCAST:
+                w, x = w.to(tl.float32), x.to(tl.float32)
+            acc = tl.dot(w, x, acc)
+        if NORM:
+            acc = acc * tl.rsqrt(squares / K + eps)[None, :]
+        rows = pid * LBN + tl.arange(0, LBN)
+        out = t[None, :] * N + rows[:, None]
+        inside = (t[None, :] < T) & (rows[:, None] < N)
+        if RESIDUAL:
+            acc += tl.load(R + out, mask=inside, other=0.0).to(tl.float32)
+        tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=inside)
+
+    # The block sizes are the layout's; warps and pipeline depth are tuned (benchmarks/rows_variants.py
+    # measured 4 warps and 3-4 stages best on Llama-3.1-8B's shapes).
+    _rows_packed_tuned = triton.autotune(
+        configs=[triton.Config({}, num_warps=w, num_stages=st) for w in (4, 8) for st in (3, 4)],
+        key=["N", "K", "NORM", "LBN", "LBK"])(_rows_packed_kernel)
+    # The one-token GEMV over a packed weight (any BLOCK_K: a row's chunk is read in runs of
+    # min(BLOCK_K, LBK) contiguous elements).
+    _gemv_packed_tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=1)
+                 for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8)],
+        key=["N", "K", "GLU", "LBN", "LBK"])(_gemv_kernel)
+
     def _launch(x, w, g, r, eps: float, norm: bool, residual: bool, glu: bool = False) -> torch.Tensor:
-        """y [T, N] for x of T rows of K (T = 1: the GEMV; 2..ROWS_MAX: the rows kernel)."""
-        k = w.shape[1]
+        """y [T, N] for x of T rows of K (T = 1: the GEMV; 2..ROWS_MAX: the rows kernel), w row-major
+        [N, K] or packed (see `pack`)."""
+        k = in_features(w)
         t = x.numel() // k
-        n = w.shape[0] // 2 if glu else w.shape[0]
+        n = out_features(w) // 2 if glu else out_features(w)
         y = torch.empty(t, n, device=x.device, dtype=x.dtype)
+        layout = dict(LBN=w.shape[2], LBK=w.shape[3]) if w.dim() == 4 else {}
 
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]),)
 
         if t == 1:
-            tuned, plain, args = _gemv_tuned, _gemv_kernel, (w, x, y, g, r, n, eps, k)
-            flags = dict(NORM=norm, RESIDUAL=residual, GLU=glu)
+            tuned = _gemv_packed_tuned if layout else _gemv_tuned
+            plain, args = _gemv_kernel, (w, x, y, g, r, n, eps, k)
+            flags = dict(NORM=norm, RESIDUAL=residual, GLU=glu, **layout)
+        elif layout:  # the packed rows kernel's blocks are the layout's own
+            args = (w, x, y, g, r, n, t, eps, k)
+            flags = dict(TP=16, NORM=norm, RESIDUAL=residual, UPCAST=not x.is_cuda, **layout)
+            kernel = _rows_packed_tuned if x.is_cuda else _rows_packed_kernel
+            wrap_triton(kernel)[(n // layout["LBN"],)](*args, **flags)
+            return y
         else:
             tuned, plain, args = _rows_tuned[ROWS_MORE_CONFIGS], _rows_kernel, (w, x, y, g, r, n, t, eps, k)
             flags = dict(TP=16, NORM=norm, RESIDUAL=residual, UPCAST=not x.is_cuda)
@@ -216,6 +282,43 @@ if triton is not None:
         return _launch(x, w, g, x, eps, True, False, glu=True)
 
 
+def out_features(weight: torch.Tensor) -> int:
+    """N of a weight [N, K], row-major or packed [N / LBN, K / LBK, LBN, LBK]."""
+    return weight.shape[0] * weight.shape[2] if weight.dim() == 4 else weight.shape[0]
+
+
+def in_features(weight: torch.Tensor) -> int:
+    """K of a weight [N, K], row-major or packed."""
+    return weight.shape[1] * weight.shape[3] if weight.dim() == 4 else weight.shape[1]
+
+
+def pack_layout(n: int, k: int, nbytes: int) -> tuple[int, int] | None:
+    """The packed layout (LBN, LBK) for a weight [n, k] of `nbytes`, or None to keep it row-major:
+    below PACK_MIN_BYTES, or where the blocks do not divide it. The blocks are the rows kernel's
+    fastest on Llama-3.1-8B's shapes for 8 tokens (benchmarks/rows_variants.py, BENCHMARKS.md):
+    128 x 256 for the wide gate/up, 32 x 512 for the long down rows, 64 x 256 for q/k/v and o."""
+    if nbytes < PACK_MIN_BYTES:
+        return None
+    lbn, lbk = (128, 256) if n >= 16384 else (32, 512) if k >= 8192 else (64, 256)
+    return (lbn, lbk) if n % lbn == 0 and k % lbk == 0 else None
+
+
+def pack(weight: torch.Tensor, layout: tuple[int, int]) -> torch.Tensor:
+    """A row-major weight [N, K] as a new packed tensor [N / LBN, K / LBK, LBN, LBK]: block (i, j) of
+    LBN rows and LBK columns is one contiguous run, which the kernels stream faster than LBN rows of
+    LBK scattered K apart."""
+    (n, k), (lbn, lbk) = weight.shape, layout
+    return weight.view(n // lbn, lbn, k // lbk, lbk).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack(weight: torch.Tensor) -> torch.Tensor:
+    """The row-major [N, K] of a packed weight (a copy; a row-major weight as it is)."""
+    if weight.dim() != 4:
+        return weight
+    nb, kb, lbn, lbk = weight.shape
+    return weight.permute(0, 2, 1, 3).reshape(nb * lbn, kb * lbk)
+
+
 def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return runs_on(x) and weight.dtype == x.dtype and weight.is_contiguous()
 
@@ -236,8 +339,8 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """`F.linear(x, weight, bias)`: one bf16/fp16 row on CUDA through the Triton GEMV, up to
     ROWS_MAX through the rows kernel, the rest through `few_row_linear`."""
     if not (fused_one_token(x, weight) or few_rows(x, weight)):
-        return few_row_linear(x, weight, bias)
-    y = gemv(_rows(x), weight).view(*x.shape[:-1], weight.shape[0])
+        return few_row_linear(x, unpack(weight), bias)
+    y = gemv(_rows(x), weight).view(*x.shape[:-1], out_features(weight))
     return y if bias is None else y + bias
 
 
@@ -249,12 +352,12 @@ def folds(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def rms_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(rms_norm(x, g, eps), weight)` in one kernel (call only where `folds`)."""
-    return gemv_rms(_rows(x), g, weight, eps).view(*x.shape[:-1], weight.shape[0])
+    return gemv_rms(_rows(x), g, weight, eps).view(*x.shape[:-1], out_features(weight))
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """`residual + F.linear(x, weight)` in one kernel (call only where `folds`)."""
-    n = weight.shape[0]
+    n = out_features(weight)
     return gemv_add(_rows(x), weight, residual.reshape(-1, n).contiguous()).view(*x.shape[:-1], n)
 
 
@@ -264,10 +367,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def folds_glu(weight: torch.Tensor) -> bool:
     """Whether SiLU * up goes into the store of this gate/up product (see GLU_FOLD_MAX_BYTES)."""
-    return weight.numel() * weight.element_size() <= GLU_FOLD_MAX_BYTES
+    return weight.dim() == 2 and weight.numel() * weight.element_size() <= GLU_FOLD_MAX_BYTES
 
 
 def rms_glu_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for [gate | up] = `F.linear(rms_norm(x, g, eps), weight)` in one kernel, for
     weight = [gate; up] (call only where `fused_one_token`)."""
-    return gemv_rms_glu(_rows(x), g, weight, eps).view(*x.shape[:-1], weight.shape[0] // 2)
+    return gemv_rms_glu(_rows(x), g, weight, eps).view(*x.shape[:-1], out_features(weight) // 2)

@@ -82,7 +82,8 @@ def triton_gemv():
     def run(w, x, y, block_n, block_k, warps, stages):
         n, k = w.shape
         _gemv_kernel[(triton.cdiv(n, block_n),)](w, x, y, x, x, n, 0.0, k, NORM=False, RESIDUAL=False, GLU=False,
-                                                 BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+                                                 LBN=0, LBK=0, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                                                 num_stages=stages)
     return run
 
 

@@ -94,10 +94,11 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(W, X, Y, G, R, N, eps, K: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                     GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LBN: tl.constexpr = 0,
-                     LBK: tl.constexpr = 0):
-        # LBN = 0: W is row-major [N, K]; else packed [N / LBN, K / LBK, LBN, LBK] (see `pack`), read
-        # in chunks of BLOCK_K = a multiple of LBK, each row's chunk in runs of LBK contiguous elements.
+                     GLU: tl.constexpr, LBN: tl.constexpr, LBK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        # LBN = 0: W is row-major [N, K]; else packed [N / LBN, K / LBK, LBN, LBK] (see `pack`), each
+        # row's chunk of BLOCK_K read in runs of min(BLOCK_K, LBK) contiguous elements. (Passed on
+        # every launch: under torch.compile a constexpr left to its default arrived as None.)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -235,16 +236,17 @@ if triton is not None:
         t = x.numel() // k
         n = out_features(w) // 2 if glu else out_features(w)
         y = torch.empty(t, n, device=x.device, dtype=x.dtype)
-        layout = dict(LBN=w.shape[2], LBK=w.shape[3]) if w.dim() == 4 else {}
+        layout = dict(LBN=w.shape[2], LBK=w.shape[3]) if w.dim() == 4 else dict(LBN=0, LBK=0)
+        packed = w.dim() == 4
 
         def grid(meta):
             return (triton.cdiv(n, meta["BLOCK_N"]),)
 
         if t == 1:
-            tuned = _gemv_packed_tuned if layout else _gemv_tuned
+            tuned = _gemv_packed_tuned if packed else _gemv_tuned
             plain, args = _gemv_kernel, (w, x, y, g, r, n, eps, k)
             flags = dict(NORM=norm, RESIDUAL=residual, GLU=glu, **layout)
-        elif layout:  # the packed rows kernel's blocks are the layout's own
+        elif packed:  # the packed rows kernel's blocks are the layout's own
             args = (w, x, y, g, r, n, t, eps, k)
             flags = dict(TP=16, NORM=norm, RESIDUAL=residual, UPCAST=not x.is_cuda, **layout)
             kernel = _rows_packed_tuned if x.is_cuda else _rows_packed_kernel

@@ -141,10 +141,57 @@ def plot_bench(name: str, png: str, title: str) -> None:
     fig.savefig(R / png, dpi=110)
 
 
+def plot_packed() -> None:
+    """Per product, the best TB/s of each way to stream a weight for 8 tokens; then the 8B step of
+    1 and 8 tokens with row-major and packed weights, in one process and in fresh ones."""
+    rv = load("h200_rows_variants.json")
+    kinds = ["gemv1", "rows-autotuned", "cublas", "tma", "blocked", "splitk"]
+    labels = ["one-token GEMV", "rows kernel", "cuBLAS (8 rows)", "TMA-fed rows", "blocked layout", "split K"]
+    shapes = list(rv["shapes"])
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    w = 0.8 / len(kinds)
+    for j, (kind, label) in enumerate(zip(kinds, labels)):
+        xs, ys = [], []
+        for i, name in enumerate(shapes):
+            best = [v["TBps"] for k, v in rv["shapes"][name]["variants"].items() if "TBps" in v
+                    and (k == kind or k.startswith(kind + "@"))]
+            if best:
+                xs.append(i + (j - len(kinds) / 2 + 0.5) * w)
+                ys.append(max(best))
+        ax.bar(xs, ys, w, label=label)
+    ax.axhline(rv["copy_TBps"], color="k", ls="--", lw=1, label=f"copy {rv['copy_TBps']:.2f} TB/s")
+    ax.set_xticks(range(len(shapes)), [f"{n}\n{rv['shapes'][n]['MB']:.0f} MB" for n in shapes])
+    ax.set_ylabel("TB/s of weight (8 tokens; GEMV: 1)")
+    ax.set_ylim(1.5, 4.8)
+    ax.set_title("8B products, H200, each launch in a CUDA graph", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+
+    runs = [("one process", "h200_roofline_8b_pack.json", "default", "row-major"),
+            ("one process", "h200_roofline_8b_pack.json", "default@pack1", "packed"),
+            ("fresh 1", "h200_roofline_8b_pack_process1.json", "default@pack1", "packed"),
+            ("fresh 2", "h200_roofline_8b_pack_process2.json", "default@pack1", "packed")]
+    for i, (where, name, key, layout) in enumerate(runs):
+        d = load(name)
+        t1, t8 = d["variants"][key]["1"]["ms"], d["variants"][key]["8"]["ms"]
+        ax2.bar([i - 0.2, i + 0.2], [t1, t8], 0.4, color=["#59c", "#c75"],
+                label=["1 token", "8 tokens"] if i == 0 else None)
+        ax2.text(i + 0.2, t8 + 0.02, f"{t8 / t1:.3f}x", ha="center", fontsize=8)
+    floor = load("h200_roofline_8b_pack.json")["floor_ms"]["all_weights"]
+    ax2.axhline(floor, color="k", ls="--", lw=1, label=f"HBM floor {floor:.2f} ms")
+    ax2.set_xticks(range(len(runs)), [f"{r[3]}\n{r[0]}" for r in runs], fontsize=8)
+    ax2.set_ylim(3.5, 4.8)
+    ax2.set_ylabel("ms per step (8B shapes)")
+    ax2.set_title("8-token step / 1-token step (bar: <= 1.1x)", fontsize=9)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(R / "h200_8b_packed.png", dpi=110)
+
+
 if __name__ == "__main__":
     plot_8b()
     plot_smollm2()
     plot_recipes()
+    plot_packed()
     for dtype, suffix in (("bf16", ""), ("fp32", "_fp32"), ("fp32, few-row products routed", "_fp32_routed"),
                           ("bf16, CPU fast path", "_fast")):
         if (R / f"cpu_qwen15_head_to_head{suffix}.json").exists():

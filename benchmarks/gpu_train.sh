@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_train.sh r   # (after b, instead of c/d) training recipes at the CPU data size
 #   bash benchmarks/gpu_train.sh g   # stage the first GGUF half; capture and training throughput on 8B shapes
 #   bash benchmarks/gpu_train.sh h   # (after g) second half, quickstart with 4x the optimizer steps, the full bench
+#   bash benchmarks/gpu_train.sh kt  # stage the first GGUF half; the Triton kernel tests on CUDA (KT_K picks them)
 #   bash benchmarks/gpu_train.sh i   # stage the first GGUF half; the drafter round captured as it is and compiled
 #   bash benchmarks/gpu_train.sh j   # (after i) second half, quickstart (2,500 prompts, 20 epochs, no tree)
 #   bash benchmarks/gpu_train.sh k   # (after j) the quickstart finishes; bench with chains k = 1, 2, 3, 5; drafter home
@@ -184,6 +185,10 @@ case "$1" in
       --limit 5 --max-new-tokens 256 --no-hf --out "$OUT/bench_eagle3_gpu_static.json" 2>&1 \
       | grep -v Warning | tail -40 | tee "$OUT/bench_eagle3_gpu_static.log"
     ;;
+  kt)
+    stage_first_half
+    timeout "${KT_S:-240}" python3 -m pytest -q tests/test_triton_kernels.py -k "${KT_K:-packed or pack_layout}" 2>&1 | tail -4
+    ;;
   i)
     stage_first_half
     timeout 480 python3 benchmarks/drafter_step.py --static-only --e2e --rounds 100 --out "$OUT" 2>&1 \
@@ -206,7 +211,7 @@ case "$1" in
     fi
     cp /root/qs-gpu/train/train_summary.json "$OUT/train_summary_k.json" 2>/dev/null
     timeout "${BENCH_S:-300}" python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-gpu/train/drafter \
-      --limit 5 --max-new-tokens 256 --k 1,2,3,5 --tree none --out "$OUT/bench_eagle3_gpu_k.json" 2>&1 \
+      --limit 5 --max-new-tokens 256 --k "${BENCH_K:-1,2,3,5}" --tree none --out "$OUT/bench_eagle3_gpu_k.json" 2>&1 \
       | grep -v Warning | tail -30 | tee "$OUT/bench_eagle3_gpu_k.log"
     drafter_home
     ;;

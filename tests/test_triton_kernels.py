@@ -263,11 +263,16 @@ def test_pack_layout_by_size_and_shape(monkeypatch):
 
 def test_steps_with_packed_weights_match_row_major(tiny_targets, monkeypatch):
     """FastDecoder.optimize packs the products' weights where pack_layout says so, into new tensors
-    (the model's own stay row-major): steps of 1 and 3 tokens give the row-major decoder's logits."""
+    (the model's own stay row-major): steps of 1 and 3 tokens give the row-major decoder's logits,
+    and a step of more tokens than the kernels take reads the row-major weights, unpacking none."""
     from specdec.engine import fast
 
     model = copy.deepcopy(tiny_targets["llama"].model).to(DEV, torch.bfloat16)
-    ids = torch.randint(0, 250, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    wide = gemv.ROWS_MAX + 2
+    ids = torch.randint(0, 250, (12 + wide,), generator=torch.Generator().manual_seed(5)).tolist()
+    unpacked = []
+    unpack = gemv.unpack
+    monkeypatch.setattr(gemv, "unpack", lambda w: unpacked.append(w.dim()) or unpack(w))
     row_major = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
     before = [p.clone() for p in model.parameters()]
     monkeypatch.setattr(fast, "pack_layout", lambda n, k, nbytes: (16, 32) if n % 16 == 0 and k % 32 == 0 else None)
@@ -276,8 +281,9 @@ def test_steps_with_packed_weights_match_row_major(tiny_targets, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     for dec in (row_major, packed):
         dec.step(ids[:8], list(range(8)), 0, _causal(8), 8)
-    for ts in ([8], [9, 10, 11]):
+    for ts in ([8], [9, 10, 11], list(range(12, 12 + wide))):
         T = len(ts)
         want = row_major.step([ids[t] for t in ts], ts, ts[0], _causal(T), T).logits.float().cpu()
         got = packed.step([ids[t] for t in ts], ts, ts[0], _causal(T), T).logits.float().cpu()
         assert (got - want).norm() <= 0.01 * want.norm()
+    assert 4 not in unpacked

@@ -49,8 +49,8 @@ from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from .engine import SpeculativeEngine, truncate_at_stop
 from .gemv import available as gemv_available
-from .gemv import (folds, folds_glu, fused_one_token, gemv_linear, linear_add, pack, pack_layout, rms_glu_linear,
-                   rms_linear)
+from .gemv import (ROWS_MAX, folds, folds_glu, fused_one_token, gemv_linear, linear_add, pack, pack_layout,
+                   rms_glu_linear, rms_linear)
 from . import decode_attention
 from .sampling import sample, target_probs
 from .tree import Draft, TreeConfig, ancestor_mask
@@ -359,7 +359,7 @@ class FastDecoder:
         self.aux_layer_ids = list(aux_layer_ids or [])
         self.last_state = last_state
         self._layer = make_layer_fn(s)
-        self._layer_args = [lw.args() for lw in self.layers]
+        self._layer_args = self._wide_args = [lw.args() for lw in self.layers]
         self._prep = make_prep_fn(s, self.cache_len)
         self._head = make_head_fn(s)
         self.use_graphs = False
@@ -391,9 +391,12 @@ class FastDecoder:
         self._prep = make_prep_fn(self.shapes, self.cache_len)
         self._head = make_head_fn(self.shapes, gemv)
         # The kernels' packed weights, where gemv.PACK_MIN_BYTES asks for them (a second copy; the
-        # previous packing is dropped first).
+        # previous packing is dropped first). Steps of more tokens than the kernels take (prefill
+        # chunks, large trees) keep reading the row-major weights: a packed one would be unpacked,
+        # a copy of the weight, on every such step.
         self._layer_args = []
         self._layer_args = [(lw.packed() if gemv else lw).args() for lw in self.layers]
+        self._wide_args = [lw.args() for lw in self.layers]
         if compile:
             import torch._inductor.config as ic
 
@@ -459,7 +462,8 @@ class FastDecoder:
         x, cos, sin, slots, mask, tm = self._prep(staging, self.embed, self.cos, self.sin)
         states = {}
         L = self.shapes.num_layers
-        for i, args in enumerate(self._layer_args):
+        T = math.isqrt(staging.numel()) - 1  # the staging buffer holds (T + 1) ** 2 values
+        for i, args in enumerate(self._layer_args if T <= ROWS_MAX else self._wide_args):
             if capture and i in self.aux_layer_ids:
                 states[i] = x
             x = self._layer(x, *args, self.kv[i], cos, sin, slots, mask, tm)

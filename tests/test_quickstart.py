@@ -34,6 +34,15 @@ def test_quickstart_runs_and_resumes(tmp_path):
     assert 0 <= best["k"] <= 5 and best["cost_ratio"] >= 0
     at_k5 = min(line["speedup"], line["mean_acceptance_length"])
     assert best["predicted_speedup"] >= max(1.0, at_k5) - 1e-9
+    # ...and then measured: at k = 5 the run's own speedup, at another k a run of its own, and
+    # nothing at k = 0 (plain decoding is the baseline).
+    if best["k"] == 5:
+        assert best["measured_speedup"] == line["speedup"]
+    elif best["k"] > 0:
+        assert best["measured_speedup"] > 0 and 1.0 <= best["mean_acceptance_length"] <= best["k"] + 1
+        assert f"k={best['k']}: measured speedup" in r.stderr
+    else:
+        assert "measured_speedup" not in best
     # Every sampled question is either evaluated or reported as skipped (longer than the context).
     assert line["questions"] >= 1 and line["questions"] + line["questions_skipped"] == 2
     assert ("exceed the context" in r.stderr) == (line["questions_skipped"] > 0)
@@ -62,3 +71,33 @@ def test_cpu_without_native_bf16_gets_smaller_defaults_unless_told():
     assert settings(plain, cuda=True, fp32=True) == GPU
     told = settings(p.parse_args(["quickstart", "--prompts", "500", "--epochs", "2"]), cuda=False, fp32=True)
     assert told["prompts"] == 500 and told["epochs"] == 2 and told["eval_prompts"] == CPU_FP32["eval_prompts"]
+
+
+def test_best_k_is_measured_where_the_prediction_picks_another_k():
+    """The quickstart predicts the best k from the k = 5 run's curve and cost, then measures that k
+    with a run of its own, never the one it already has, and never k = 0 (plain decoding)."""
+    from specdec.commands.quickstart import best_k_measured
+
+    runs = []
+
+    def measure(k):
+        runs.append(k)
+        return {"tokens_per_s": 87.0, "mean_acceptance_length": 1.5}
+
+    # A drafter that gets only its first token right: k = 5 is slow, k = 1 predicted best.
+    weak = {"speedup": 0.8, "mean_acceptance_length": 1.55, "plain_tokens_per_s": 100.0,
+            "per_position_acceptance": [0.5, 0.03, 0.01, 0.005, 0.005]}
+    best = best_k_measured(weak, 5, measure)
+    assert runs == [1] and best["k"] == 1 and best["predicted_speedup"] > 1.0
+    assert best["measured_speedup"] == 0.87 and best["mean_acceptance_length"] == 1.5
+    # A strong drafter: k = 5 is the best; its measurement is the run's own.
+    strong = {"speedup": 3.0, "mean_acceptance_length": 5.25, "plain_tokens_per_s": 100.0,
+              "per_position_acceptance": [0.95, 0.9, 0.85, 0.8, 0.75]}
+    best = best_k_measured(strong, 5, measure)
+    assert runs == [1] and best["k"] == 5 and best["measured_speedup"] == 3.0
+    # Nothing pays: k = 0, nothing to measure.
+    hopeless = {"speedup": 0.3, "mean_acceptance_length": 1.05, "plain_tokens_per_s": 100.0,
+                "per_position_acceptance": [0.04, 0.01, 0.0, 0.0, 0.0]}
+    best = best_k_measured(hopeless, 5, measure)
+    assert runs == [1] and best["k"] == 0 and "measured_speedup" not in best
+    assert best_k_measured({"speedup": None}, 5, measure) is None

@@ -155,3 +155,12 @@ def test_eval_and_serve_build_the_fast_path_where_it_applies(tiny_dirs, monkeypa
     assert type(engine("eval", "--reference")) is SpeculativeEngine
     assert type(engine("serve", "--reference")) is SpeculativeEngine
     assert type(engine("generate", "--prompt", "hi")) is SpeculativeEngine
+    # --pack-weights reaches the decoder's optimize (which packs where the CUDA kernels run); off
+    # unless given.
+    packs = []
+    optimize = fast_mod.FastDecoder.optimize
+    monkeypatch.setattr(fast_mod.FastDecoder, "optimize",
+                        lambda self, **kw: packs.append(kw["pack"]) or optimize(self, **kw))
+    engine("eval", "--pack-weights")
+    engine("serve", "--max-model-len", "96")
+    assert packs == [True, False]

@@ -251,9 +251,7 @@ def test_packed_weights_match_row_major(t):
     _close(gemv.gemv_linear(many, p), want, want.abs().max())
 
 
-def test_pack_layout_by_size_and_shape(monkeypatch):
-    assert gemv.pack_layout(28672, 4096, 235 << 20) is None  # off by default (a second copy)
-    monkeypatch.setattr(gemv, "PACK_MIN_BYTES", 32 << 20)
+def test_pack_layout_by_size_and_shape():
     assert gemv.pack_layout(28672, 4096, 235 << 20) == (128, 256)  # Llama-3.1-8B's gate/up
     assert gemv.pack_layout(4096, 14336, 117 << 20) == (32, 512)  # its down
     assert gemv.pack_layout(6144, 4096, 50 << 20) == (64, 256)  # its q/k/v
@@ -276,7 +274,15 @@ def test_steps_with_packed_weights_match_row_major(tiny_targets, monkeypatch):
     row_major = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
     before = [p.clone() for p in model.parameters()]
     monkeypatch.setattr(fast, "pack_layout", lambda n, k, nbytes: (16, 32) if n % 16 == 0 and k % 32 == 0 else None)
-    packed = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
+    # Off unless asked (a second copy of the weights): by the switch, or by optimize's pack=True.
+    assert not gemv.PACK_WEIGHTS
+    off = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
+    assert all(a.dim() < 4 for args in off._layer_args for a in args if a is not None)
+    monkeypatch.setattr(gemv, "PACK_WEIGHTS", True)
+    on = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
+    assert sum(a.dim() == 4 for args in on._layer_args for a in args if a is not None) == 4 * len(on.layers)
+    monkeypatch.setattr(gemv, "PACK_WEIGHTS", False)
+    packed = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True, pack=True)
     assert sum(a.dim() == 4 for args in packed._layer_args for a in args if a is not None) == 4 * len(packed.layers)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     for dec in (row_major, packed):

@@ -225,7 +225,7 @@ KNOBS = {
     "att": ("decode_attention", "MAX_ROWS", int),  # attention kernels up to N query rows (0: never)
     "sbs": ("decode_attention", "STEP_BLOCK_S", int),  # cache slots per split program, steps of > 1 token
     "rowscfg": ("gemv", "ROWS_MORE_CONFIGS", bool),  # the rows kernel's autotuner tries _ROWS_MORE too
-    "pack": ("gemv", "PACK_MIN_BYTES", lambda v: 32 << 20 if v else 1 << 62),  # pack=1: weights >= 32 MB packed
+    "pack": ("gemv", "PACK_WEIGHTS", bool),  # pack=1: weights of gemv.PACK_MIN_BYTES and more packed
 }
 _SHIPPED: dict[str, object] = {}  # each constant's value before the first knob step changed it
 

@@ -225,9 +225,11 @@ def run_bench(
     hf: bool = True,
     assistant=None,
     static_drafter: bool = True,
+    pack_weights: bool | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict:
-    """Time every method over `prompts`; returns {"rows": [...], "fast": bool, ...}."""
+    """Time every method over `prompts`; returns {"rows": [...], "fast": bool, ...}. The fast
+    engines share one decoder: `pack_weights` (FastEngine's) applies to every row."""
     from ..engine.fast import FastDecoder, engine_kind, make_engine
 
     dev = target.device
@@ -235,7 +237,7 @@ def run_bench(
     longest = max(len(p) for p in prompts)
     max_len = _round_up(longest + max_new_tokens + 8, 256)
     rows: list[Row] = []
-    plain_engine = make_engine(target, fast=fast, max_len=max_len)
+    plain_engine = make_engine(target, fast=fast, max_len=max_len, pack_weights=pack_weights)
     kind = engine_kind(plain_engine)
     use_fast = kind == "fast"
     decoder: FastDecoder | None = plain_engine.fast if use_fast else None

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._engine_args import add_pack_weights_arg
+
 DESCRIPTION = """\
 Time the same chat prompts through: HF generate (greedy), HF prompt lookup
 (generate(prompt_lookup_num_tokens=N)), with --assistant HF assisted generation
@@ -20,6 +22,7 @@ examples:
   specdec bench --target smollm2-135m-instruct --prompts mt-bench --limit 10
   specdec bench --target smollm2-135m-instruct --drafter runs/drafter --json > bench.json
   specdec bench --target ./my-model --prompts my_prompts.jsonl --reference --no-hf
+  specdec bench --target ./llama-3.1-8b --drafter runs/drafter --k 3,5 --pack-weights   # CUDA, memory to spare
   specdec bench --target qwen2.5-coder-1.5b-instruct --assistant qwen2.5-coder-0.5b-instruct \\
       --drafter runs/qwen/train/drafter --k 2,3 --tree none --limit 5 --max-new-tokens 96
 """
@@ -52,6 +55,7 @@ def register(subparsers) -> None:
                    help="auto, bf16, fp16 or fp32 (default: bf16 on a GPU, fp32 on CPU; auto: bf16 also on CPUs "
                         "with native bf16)")
     p.add_argument("--reference", action="store_true", help="use the reference engine even where the fast path applies")
+    add_pack_weights_arg(p)
     p.add_argument("--eager-drafter", action="store_true",
                    help="fast path: EAGLE-3 chains and trees draft eagerly instead of compiled in CUDA graphs "
                         "(StaticChainDrafter / StaticTreeDrafter, the default: a chain round of 5 in 0.66 "
@@ -133,7 +137,7 @@ def run(args) -> int:
         target, prompts, max_new_tokens=args.max_new_tokens, drafter=drafter, ngram=args.ngram,
         ngram_k=args.ngram_k, prompt_lookup_tokens=args.prompt_lookup_tokens, ks=ks, tree=tree,
         fast=False if args.reference else None, hf=not args.no_hf, assistant=assistant,
-        static_drafter=not args.eager_drafter, progress=say,
+        static_drafter=not args.eager_drafter, pack_weights=args.pack_weights, progress=say,
     )
     result.update(target=args.target, drafter=args.drafter, assistant=args.assistant, prompt_source=args.prompts,
                   dtype=str(target.dtype).replace("torch.", ""), env=device_info())

@@ -52,6 +52,7 @@ from .gemv import available as gemv_available
 from .gemv import (ROWS_MAX, folds, folds_glu, fused_one_token, gemv_linear, linear_add, pack, pack_layout,
                    rms_glu_linear, rms_linear)
 from . import decode_attention
+from . import gemv as gemv_kernels
 from .sampling import sample, target_probs
 from .tree import Draft, TreeConfig, ancestor_mask
 
@@ -371,7 +372,7 @@ class FastDecoder:
     # -- setup ---------------------------------------------------------------------------
     def optimize(self, *, compile: bool = True, cuda_graphs: bool = True, mode: str | None = None,
                  coordinate_descent: bool = True, gemv: bool | None = None,
-                 attention_kernel: bool | None = None) -> "FastDecoder":
+                 attention_kernel: bool | None = None, pack: bool | None = None) -> "FastDecoder":
         """Compile the step functions with inductor (`mode` is torch.compile's; the default fuses
         without autotuning matmuls) and capture each step as a CUDA graph on first use.
 
@@ -380,7 +381,9 @@ class FastDecoder:
         `gemv` routes the products of steps of up to gemv.ROWS_MAX tokens through gemv.py's Triton
         kernels instead, each RMSNorm and residual add folded into its product (None: wherever
         Triton runs, i.e. on CUDA), and `attention_kernel` (None: as `gemv`) the attention of steps
-        that fit decode_attention.py's kernels through them. Graphs captured before are dropped."""
+        that fit decode_attention.py's kernels through them. `pack` (None: gemv.PACK_WEIGHTS) gives
+        the kernels a packed copy of each product's weight (gemv.pack_layout). Graphs captured before
+        are dropped."""
         if self.device.type != "cuda" and cuda_graphs:
             raise SpecdecError("CUDA graphs need a CUDA device; found " + str(self.device))
         if gemv is None:
@@ -390,12 +393,13 @@ class FastDecoder:
         self._layer = make_layer_fn(self.shapes, gemv, attention_kernel)
         self._prep = make_prep_fn(self.shapes, self.cache_len)
         self._head = make_head_fn(self.shapes, gemv)
-        # The kernels' packed weights, where gemv.PACK_MIN_BYTES asks for them (a second copy; the
-        # previous packing is dropped first). Steps of more tokens than the kernels take (prefill
-        # chunks, large trees) keep reading the row-major weights: a packed one would be unpacked,
-        # a copy of the weight, on every such step.
+        # The kernels' packed weights, a second copy (the previous packing is dropped first). Steps
+        # of more tokens than the kernels take (prefill chunks, large trees) keep reading the
+        # row-major weights: a packed one would be unpacked, a copy of the weight, on every such step.
+        if pack is None:
+            pack = gemv_kernels.PACK_WEIGHTS  # read now: benchmarks set it between builds
         self._layer_args = []
-        self._layer_args = [(lw.packed() if gemv else lw).args() for lw in self.layers]
+        self._layer_args = [(lw.packed() if gemv and pack else lw).args() for lw in self.layers]
         self._wide_args = [lw.args() for lw in self.layers]
         if compile:
             import torch._inductor.config as ic
@@ -610,6 +614,7 @@ class FastEngine(SpeculativeEngine):
         require_cuda: bool = True,
         decoder: FastDecoder | None = None,
         static_drafter: bool = True,
+        pack_weights: bool | None = None,
     ):
         """`decoder`: reuse another FastEngine's decoder (same target): its weights, cache and
         captured buckets are shared, so only new bucket sizes compile. `static_drafter`: greedy
@@ -617,7 +622,9 @@ class FastEngine(SpeculativeEngine):
         and in CUDA graphs on a GPU: a chain round of 5 in 0.66 ms against 9.5 ms eager on an H200,
         same drafts; benchmarks/drafter_step.py); False keeps the eager proposer (sampling always
         uses it). `compile`: inductor on the decoder's steps (default: on a CUDA GPU only; True
-        compiles on a CPU too, as `make_engine`'s CPU fast path does)."""
+        compiles on a CPU too, as `make_engine`'s CPU fast path does). `pack_weights`: a packed
+        second copy of the large products' weights for the kernels (`FastDecoder.optimize`'s `pack`;
+        None: gemv.PACK_WEIGHTS, off)."""
         if require_cuda and target.device.type != "cuda":
             raise SpecdecError(
                 f"the fast path needs a CUDA GPU; the target is on {target.device}; use the "
@@ -650,7 +657,7 @@ class FastEngine(SpeculativeEngine):
             coordinate_descent = prefer_coordinate_descent(target.model)
         if on_cuda or not require_cuda:
             self.fast.optimize(compile=compile, cuda_graphs=cuda_graphs and on_cuda,
-                               mode=mode, coordinate_descent=coordinate_descent)
+                               mode=mode, coordinate_descent=coordinate_descent, pack=pack_weights)
 
     def warmup(self) -> float:
         """Compile and capture every bucket now; returns the seconds it took."""

@@ -72,12 +72,16 @@ ROWS_FOLD = True
 # Whether the rows kernel's autotuner also tries deeper pipelines, wider K chunks and 8 warps
 # (`_ROWS_MORE`); benchmarks/roofline_8b.py's rowscfg=0/1 steps set it.
 ROWS_MORE_CONFIGS = True
-# Products whose weight has at least this many bytes are packed (`pack`) by FastDecoder.optimize when
-# the kernels run, into a second copy (the model's own weights stay as they are, for everything else
-# that reads them). Off by default: that copy costs the weights' memory again. On an H200 the packed
-# rows kernel streams Llama-3.1-8B's products for 8 tokens as fast as the one-token GEMV streams the
-# row-major ones (benchmarks/rows_variants.py). benchmarks/roofline_8b.py's pack=1 steps set 32 MB.
-PACK_MIN_BYTES = 1 << 62
+# Whether FastDecoder.optimize packs (`pack`) the products' weights of at least PACK_MIN_BYTES into a
+# second copy for the kernels (the model's own weights stay as they are, for the steps of more
+# tokens than the kernels take and everything else that reads them). Off by default: that copy
+# costs those weights' memory again (14.5 GB on Llama-3.1-8B). On an H200 it took the 8-token step
+# from 1.11x to 1.07-1.09x the one-token step and the one-token step 0.05 ms lower (BENCHMARKS.md,
+# "Packed weights"). `--pack-weights` (eval, serve), FastEngine(pack_weights=True) and
+# benchmarks/roofline_8b.py's pack=1 steps turn it on.
+PACK_WEIGHTS = False
+# Smaller products stream no faster packed (benchmarks/rows_variants.py: o_proj, 34 MB, the least gain).
+PACK_MIN_BYTES = 32 << 20
 
 
 def available() -> bool:

@@ -100,6 +100,10 @@ def test_evaluate_with_drafter_compare_plain_is_lossless(prompts_file, tiny_targ
     assert result["plain_tokens_per_s"] > 0 and result["speedup"] == pytest.approx(
         result["tokens_per_s"] / result["plain_tokens_per_s"])
     assert result["num_drafts"] > 0 and len(result["per_position_acceptance"]) == 4
+    # Plain decoding per prompt too (greedy: the same tokens), adding up to its totals.
+    rows = result["per_prompt"]
+    assert [r["plain_new_tokens"] for r in rows] == [r["new_tokens"] for r in rows]
+    assert sum(r["plain_seconds"] for r in rows) == pytest.approx(result["plain_seconds"])
 
 
 def test_summarize_pads_to_k_and_handles_no_drafts():

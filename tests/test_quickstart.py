@@ -75,21 +75,25 @@ def test_cpu_without_native_bf16_gets_smaller_defaults_unless_told():
 
 def test_best_k_is_measured_where_the_prediction_picks_another_k():
     """The quickstart predicts the best k from the k = 5 run's curve and cost, then measures that k
-    with a run of its own, never the one it already has, and never k = 0 (plain decoding)."""
+    with a run of its own (on a subset of the prompts, against plain decoding on the same ones),
+    never the k it already has, and never k = 0 (plain decoding)."""
     from specdec.commands.quickstart import best_k_measured
 
     runs = []
 
     def measure(k):
         runs.append(k)
-        return {"tokens_per_s": 87.0, "mean_acceptance_length": 1.5}
+        return {"tokens_per_s": 87.0, "mean_acceptance_length": 1.5, "per_prompt": [{"id": "a"}]}
 
-    # A drafter that gets only its first token right: k = 5 is slow, k = 1 predicted best.
-    weak = {"speedup": 0.8, "mean_acceptance_length": 1.55, "plain_tokens_per_s": 100.0,
-            "per_position_acceptance": [0.5, 0.03, 0.01, 0.005, 0.005]}
+    # A drafter that gets only its first token right: k = 5 is slow, k = 1 predicted best. Plain
+    # decoding ran prompt "a" at 100 tok/s and "b" (longer) at 50.
+    weak = {"speedup": 0.8, "mean_acceptance_length": 1.55, "plain_tokens_per_s": 60.0,
+            "per_position_acceptance": [0.5, 0.03, 0.01, 0.005, 0.005],
+            "per_prompt": [{"id": "a", "plain_new_tokens": 100, "plain_seconds": 1.0},
+                           {"id": "b", "plain_new_tokens": 100, "plain_seconds": 2.0}]}
     best = best_k_measured(weak, 5, measure)
     assert runs == [1] and best["k"] == 1 and best["predicted_speedup"] > 1.0
-    assert best["measured_speedup"] == 0.87 and best["mean_acceptance_length"] == 1.5
+    assert best["measured_speedup"] == 0.87 and best["mean_acceptance_length"] == 1.5 and best["questions"] == 1
     # A strong drafter: k = 5 is the best; its measurement is the run's own.
     strong = {"speedup": 3.0, "mean_acceptance_length": 5.25, "plain_tokens_per_s": 100.0,
               "per_position_acceptance": [0.95, 0.9, 0.85, 0.8, 0.75]}

@@ -203,6 +203,8 @@ def evaluate(engine, tokenizer, conversations, *, max_new_tokens: int, compare_p
         out["plain_tokens_per_s"] = p["tokens_per_s"]
         out["plain_seconds"] = p["seconds"]
         out["plain_new_tokens"] = p["new_tokens"]
+        for row, r in zip(out["per_prompt"], plain_results):  # per prompt too: a later run on a subset
+            row["plain_new_tokens"], row["plain_seconds"] = r.new_tokens, r.seconds  # compares with these
         out["speedup"] = out["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] > 0 else 0.0
         if params.temperature <= 0:
             out["plain_output_mismatches"] = sum(a.token_ids != b.token_ids for a, b in zip(results, plain_results))

@@ -48,7 +48,6 @@ from .api import SamplingParams, StepOutput
 from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from .engine import SpeculativeEngine, truncate_at_stop
-from .gemv import available as gemv_available
 from .gemv import (ROWS_MAX, folds, folds_glu, fused_one_token, gemv_linear, linear_add, pack, pack_layout,
                    rms_glu_linear, rms_linear)
 from . import decode_attention
@@ -387,7 +386,7 @@ class FastDecoder:
         if self.device.type != "cuda" and cuda_graphs:
             raise SpecdecError("CUDA graphs need a CUDA device; found " + str(self.device))
         if gemv is None:
-            gemv = self.device.type == "cuda" and gemv_available()
+            gemv = self.device.type == "cuda" and gemv_kernels.available()
         self._bufs.clear()
         self._compact.clear()
         self._layer = make_layer_fn(self.shapes, gemv, attention_kernel)

@@ -43,6 +43,7 @@ def test_quickstart_runs_and_resumes(tmp_path):
         assert f"k={best['k']}: measured speedup" in r.stderr
     else:
         assert "measured_speedup" not in best
+    assert best["serve_k"] in (0, best["k"], 5) and ("serve with" in r.stderr)
     # Every sampled question is either evaluated or reported as skipped (longer than the context).
     assert line["questions"] >= 1 and line["questions"] + line["questions_skipped"] == 2
     assert ("exceed the context" in r.stderr) == (line["questions_skipped"] > 0)
@@ -94,14 +95,20 @@ def test_best_k_is_measured_where_the_prediction_picks_another_k():
     best = best_k_measured(weak, 5, measure)
     assert runs == [1] and best["k"] == 1 and best["predicted_speedup"] > 1.0
     assert best["measured_speedup"] == 0.87 and best["mean_acceptance_length"] == 1.5 and best["questions"] == 1
+    assert best["serve_k"] == 0  # neither k = 5 (0.8x) nor k = 1 (0.87x) beat plain decoding
+    weak["per_prompt"][0]["plain_seconds"] = 0.5  # plain at 200 tok/s on prompt "a": k = 1 loses more
+    assert best_k_measured(weak, 5, measure)["serve_k"] == 0
+    weak["per_prompt"][0]["plain_seconds"] = 2.0  # plain at 50 tok/s there: k = 1 measures 1.74x
+    assert best_k_measured(weak, 5, measure)["serve_k"] == 1
+    runs.clear()
     # A strong drafter: k = 5 is the best; its measurement is the run's own.
     strong = {"speedup": 3.0, "mean_acceptance_length": 5.25, "plain_tokens_per_s": 100.0,
               "per_position_acceptance": [0.95, 0.9, 0.85, 0.8, 0.75]}
     best = best_k_measured(strong, 5, measure)
-    assert runs == [1] and best["k"] == 5 and best["measured_speedup"] == 3.0
+    assert runs == [] and best["k"] == 5 and best["measured_speedup"] == 3.0 and best["serve_k"] == 5
     # Nothing pays: k = 0, nothing to measure.
     hopeless = {"speedup": 0.3, "mean_acceptance_length": 1.05, "plain_tokens_per_s": 100.0,
                 "per_position_acceptance": [0.04, 0.01, 0.0, 0.0, 0.0]}
     best = best_k_measured(hopeless, 5, measure)
-    assert runs == [1] and best["k"] == 0 and "measured_speedup" not in best
+    assert runs == [] and best["k"] == 0 and "measured_speedup" not in best and best["serve_k"] == 0
     assert best_k_measured({"speedup": None}, 5, measure) is None

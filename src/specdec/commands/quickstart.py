@@ -191,6 +191,8 @@ def run(args) -> int:
         if best["k"] not in (0, args.k):
             table.add_row(f"k={best['k']}: measured speedup (mean acceptance length), {best['questions']} questions",
                           f"{best['measured_speedup']:.2f}x ({best['mean_acceptance_length']:.2f})")
+        table.add_row("serve with (the fastest measured)",
+                      f"k={best['serve_k']}" if best["serve_k"] else "no speculation: nothing beat plain decoding")
     if tree:
         table.add_row(f"tree (depth {tree['depth']}, top-k 8, 48 tokens): mean acceptance length",
                       f"{tree['mean_acceptance_length']:.2f}")
@@ -244,4 +246,9 @@ def best_k_measured(result: dict, k: int, measure) -> dict | None:
         best["measured_speedup"] = r["tokens_per_s"] / plain_tps
         best["mean_acceptance_length"] = r["mean_acceptance_length"]
         best["questions"] = len(ids)
+    # What to serve with: the faster of the k's measured, or 0 (no speculation) where neither beat
+    # plain decoding.
+    measured = {k: result["speedup"], point.k: best.get("measured_speedup", 0.0)}
+    fastest = max(measured, key=measured.get)
+    best["serve_k"] = fastest if measured[fastest] > 1.0 else 0
     return best

@@ -201,7 +201,7 @@ def run(args) -> int:
     if tree:
         table.add_row(f"tree (depth {tree['depth']}, top-k 8, 48 tokens), {tree['questions']} questions: "
                       "mean acceptance length", f"{tree['mean_acceptance_length']:.2f}")
-        table.add_row("tree: tok/s, speedup", f"{tree['tokens_per_s']:.1f}, {tree['speedup'] or 0:.2f}x")
+        table.add_row("tree: tok/s, speedup", f"{tree['tokens_per_s']:.1f}, {tree['speedup']:.2f}x")
     if result.get("skipped_prompts"):  # prompts too long for the target's context with the answer
         table.add_row("MT-Bench questions evaluated", f"{result['num_prompts']} of "
                       f"{result['num_prompts'] + result['skipped_prompts']} (the rest exceed the context)")

@@ -359,6 +359,7 @@ class FastDecoder:
         self.aux_layer_ids = list(aux_layer_ids or [])
         self.last_state = last_state
         self._layer = make_layer_fn(s)
+        # The row-major weights: every step's until optimize packs them, then the wide steps'.
         self._layer_args = self._wide_args = [lw.args() for lw in self.layers]
         self._prep = make_prep_fn(s, self.cache_len)
         self._head = make_head_fn(s)
@@ -399,7 +400,6 @@ class FastDecoder:
             pack = gemv_kernels.PACK_WEIGHTS  # read now: benchmarks set it between builds
         self._layer_args = []
         self._layer_args = [(lw.packed() if gemv and pack else lw).args() for lw in self.layers]
-        self._wide_args = [lw.args() for lw in self.layers]
         if compile:
             import torch._inductor.config as ic
 

@@ -77,7 +77,7 @@ ROWS_MORE_CONFIGS = True
 # tokens than the kernels take and everything else that reads them). Off by default: that copy
 # costs those weights' memory again (14.5 GB on Llama-3.1-8B). On an H200 it took the 8-token step
 # from 1.11x to 1.07-1.09x the one-token step and the one-token step 0.05 ms lower (BENCHMARKS.md,
-# "Packed weights"). `--pack-weights` (eval, serve), FastEngine(pack_weights=True) and
+# "Packed weights"). `--pack-weights` (eval, serve, bench), FastEngine(pack_weights=True) and
 # benchmarks/roofline_8b.py's pack=1 steps turn it on.
 PACK_WEIGHTS = False
 # Smaller products stream no faster packed (benchmarks/rows_variants.py: o_proj, 34 MB, the least gain).

@@ -123,13 +123,15 @@ def test_kernel_knobs_key_the_compile_cache(monkeypatch):
     from specdec.bench import roofline
 
     monkeypatch.setattr(decode_attention, "STEP_BLOCK_S", decode_attention.STEP_BLOCK_S)
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "")
-    tags: dict = {}
-    assert roofline.apply_knob("sbs=64", tags) and decode_attention.STEP_BLOCK_S == 64
-    assert tags == {"sbs": "@sbs64"} and torch.compiler.config.cache_key_tag == "@sbs64"
-    shipped = roofline._SHIPPED["sbs"]
-    assert roofline.apply_knob(f"sbs={shipped}", tags) and torch.compiler.config.cache_key_tag == ""
-    assert not roofline.apply_knob("check", tags)
+    # The config's own patch, not monkeypatch: monkeypatch finds no such attribute in the config
+    # module's __dict__ and deletes it on undo, and every later compile in the process then fails.
+    with torch.compiler.config.patch(cache_key_tag=""):
+        tags: dict = {}
+        assert roofline.apply_knob("sbs=64", tags) and decode_attention.STEP_BLOCK_S == 64
+        assert tags == {"sbs": "@sbs64"} and torch.compiler.config.cache_key_tag == "@sbs64"
+        shipped = roofline._SHIPPED["sbs"]
+        assert roofline.apply_knob(f"sbs={shipped}", tags) and torch.compiler.config.cache_key_tag == ""
+        assert not roofline.apply_knob("check", tags)
 
 
 def test_split_argmax_matches_argmax():

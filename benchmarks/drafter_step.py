@@ -37,6 +37,7 @@ import specdec.models.drafter as drafter_mod  # noqa: E402
 from specdec.engine.api import SamplingParams  # noqa: E402
 from specdec.engine.eagle import Eagle3Proposer  # noqa: E402
 from specdec.engine.eagle_graph import StaticChainDrafter, StaticTreeDrafter  # noqa: E402
+from specdec.engine.eagle_kernels import applies  # noqa: E402
 from specdec.engine.tree import TreeConfig  # noqa: E402
 from specdec.models.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
 
@@ -130,7 +131,61 @@ def tree_rounds(d: Eagle3Drafter, dev, n: int) -> dict:
     return res
 
 
-E2E_ROWS = ("plain", "eagle3-k5-eager", "eagle3-k5-static", "eagle3-k3-static")
+E2E_ROWS = ("plain", "eagle3-k5-eager", "eagle3-k5-static", "eagle3-k3-static", "eagle3-k5-kernels",
+            "eagle3-k3-kernels")
+
+
+def real_e2e(dev, res, out, names, target_path: str, drafter_path: str, prompts: int, max_new: int) -> None:
+    """The rows on a real target and trained drafter: MT-Bench first turns, greedy; tok/s, ms per
+    step and mean acceptance length per row, every engine on one shared decoder, rows alternated
+    over two passes so a drift of the machine shows."""
+    from specdec.data.chat import prompt_ids
+    from specdec.data.datasets import load_conversations
+    from specdec.engine.api import SamplingParams as SP
+    from specdec.engine.fast import FastEngine
+    from specdec.evaluate import first_turn
+    from specdec.models.formats import load_drafter
+    from specdec.models.target import load_target
+
+    target = load_target(target_path, device=dev, dtype="bf16")
+    drafter = load_drafter(drafter_path, target, dtype=torch.bfloat16)
+    convs = load_conversations("mt-bench", limit=prompts, seed=0)
+    ids = [prompt_ids(target.tokenizer, first_turn(c.messages)) for c in convs]
+    params = SP(max_new_tokens=max_new, temperature=0.0)
+    cpu = dev.type != "cuda"  # a smoke run of this script on a CPU: the reference math, no kernels
+    plain = FastEngine(target, max_len=2048, require_cuda=not cpu)
+    engines = {"plain": plain}
+    for name in names:
+        if name == "plain":
+            continue
+        kind, k = name.split("-")[2], int(name.split("-")[1][1:])  # eagle3-k3-kernels
+        engines[name] = FastEngine(target, max_len=2048, decoder=plain.fast, drafter=drafter, k=k,
+                                   drafter_kernels=kind == "kernels" and not cpu, require_cuda=not cpu)
+    rows = {}
+    for name, e in engines.items():
+        t0 = time.perf_counter()
+        e.warmup()
+        e.generate(ids[0], SP(max_new_tokens=32, temperature=0.0))
+        rows[name] = {"warmup_s": time.perf_counter() - t0, "passes": []}
+    for pass_ in range(2):
+        for name, e in engines.items():
+            toks = steps = acc_len = 0
+            sync = torch.cuda.synchronize if not cpu else (lambda: None)
+            sync()
+            t = time.perf_counter()
+            for p in ids:
+                r = e.generate(p, params)
+                toks += r.new_tokens
+                steps += r.num_steps
+            sync()
+            sec = time.perf_counter() - t
+            acc_len = toks / steps
+            rows[name]["passes"].append({"tokens_per_s": toks / sec, "ms_per_step": sec / steps * 1e3,
+                                         "tokens_per_step": acc_len, "new_tokens": toks})
+            print(f"real {name:18s} pass {pass_}: {toks / sec:8.1f} tok/s, {sec / steps * 1e3:6.3f} ms per step, "
+                  f"{acc_len:.2f} tokens per step", flush=True)
+            res["real_e2e"] = rows
+            (out / "h200_drafter_step_real.json").write_text(json.dumps(res, indent=1))
 
 
 def e2e(dev, res, out, names=E2E_ROWS) -> None:
@@ -158,8 +213,10 @@ def e2e(dev, res, out, names=E2E_ROWS) -> None:
     rows = {}
     tree = TreeConfig(depth=6, top_k=8, total_tokens=48)
     variants = {"plain": {}, "eagle3-k5-eager": {"drafter": drafter, "k": 5, "static_drafter": False},
-                "eagle3-k5-static": {"drafter": drafter, "k": 5, "static_drafter": True},
-                "eagle3-k3-static": {"drafter": drafter, "k": 3, "static_drafter": True},
+                "eagle3-k5-static": {"drafter": drafter, "k": 5, "static_drafter": True, "drafter_kernels": False},
+                "eagle3-k3-static": {"drafter": drafter, "k": 3, "static_drafter": True, "drafter_kernels": False},
+                "eagle3-k5-kernels": {"drafter": drafter, "k": 5, "drafter_kernels": True},
+                "eagle3-k3-kernels": {"drafter": drafter, "k": 3, "drafter_kernels": True},
                 "eagle3-tree-eager": {"drafter": drafter, "tree": tree, "static_drafter": False},
                 "eagle3-tree-static": {"drafter": drafter, "tree": tree, "static_drafter": True}}
     for name in ("plain", *[n for n in names if n != "plain"]):
@@ -191,7 +248,12 @@ def main() -> int:
     ap.add_argument("--e2e", action="store_true", help="also time FastEngine steps on a random SmolLM2-shaped target")
     ap.add_argument("--e2e-rows", default=",".join(E2E_ROWS),
                     help="engine rows for --e2e (plain always runs first): plain, eagle3-k5-eager, "
-                         "eagle3-k5-static, eagle3-k3-static, eagle3-tree-eager, eagle3-tree-static")
+                         "eagle3-k5-static, eagle3-k3-static, eagle3-k5-kernels, eagle3-k3-kernels (the drafter's "
+                         "layer on the Triton kernels), eagle3-tree-eager, eagle3-tree-static")
+    ap.add_argument("--target", help="with --drafter: the e2e rows on this real target (MT-Bench first turns)")
+    ap.add_argument("--drafter", help="a trained drafter folder for --target")
+    ap.add_argument("--prompts", type=int, default=5, help="MT-Bench first turns for --target (default: 5)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--tree-only", action="store_true",
                     help="time only a tree round (depth 6, top-k 8, 48 tokens): the eager proposer against "
                          "StaticTreeDrafter, compiled and captured")
@@ -212,6 +274,12 @@ def main() -> int:
 
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "k": 5, "rounds": args.rounds}
+    if args.target:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        real_e2e(dev, res, out, args.e2e_rows.split(","), args.target, args.drafter, args.prompts,
+                 args.max_new_tokens)
+        return 0
     if args.tree_only:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -243,8 +311,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     drafter_mod.small_query_attention = variants["no-cudnn"]
-    for name, compile in (("static", False), ("static-compiled", True)):
-        st = StaticChainDrafter(d, k=5, max_len=4096, compile=compile)
+    statics = (("static", False, False), ("static-compiled", True, False), ("static-kernels", True, True))
+    statics = statics if applies(d, 6) else statics[:2]  # the kernels need Triton on a GPU
+    for name, compile, kernels in statics:
+        st = StaticChainDrafter(d, k=5, max_len=4096, compile=compile, kernels=kernels)
         t0 = time.perf_counter()
         st.warm()
         warm = time.perf_counter() - t0
@@ -255,9 +325,22 @@ def main() -> int:
         print(f"{name:15s} {ms:8.3f} ms per round; drafts equal to the eager proposer's in {agree:.0%} of 50 "
               f"rounds (compile and capture {warm:.1f} s)", flush=True)
         (out / "h200_drafter_step.json").write_text(json.dumps(res, indent=1))
+    if dev.type == "cuda":  # where a round's GPU time goes: the compiled steps without graphs, kernel by kernel
+        from torch.profiler import ProfilerActivity, profile
+
+        tables = []
+        for name, compile, kernels in statics[1:]:
+            st = StaticChainDrafter(d, k=5, max_len=4096, compile=compile, kernels=kernels, cuda_graphs=False)
+            static_rounds(st, None, 10, dev)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                static_rounds(st, None, 20, dev)
+            tables.append(f"== {name}, no graphs: 20 rounds (commit 2 + propose 5)\n"
+                          + p.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+            print(tables[-1], flush=True)
+        (out / "h200_drafter_step_static_profile.txt").write_text("\n".join(tables))
     if args.e2e:
         try:
-            e2e(dev, res, out)
+            e2e(dev, res, out, args.e2e_rows.split(","))
         except Exception as e:  # keep what was measured
             res["e2e_error"] = repr(e)
             print("e2e failed:", repr(e), flush=True)

@@ -44,6 +44,10 @@
 #                                        # then two fresh processes timing the 8B steps of 1 and 8 tokens
 #   bash benchmarks/gpu_train.sh pack    # 8B steps of 1 and 8 tokens with the products' weights packed into
 #                                        # contiguous blocks (pack=1) or row-major, alternating; logits against HF
+#   bash benchmarks/gpu_train.sh dk  # stage the first GGUF half; the drafter's layer on the Triton kernels: its tests on
+#                                    # CUDA, the round and engine steps against the compiled layer (random weights)
+#   bash benchmarks/gpu_train.sh dr  # (after dk, j) the quickstart finishes; chains k = 1..5 with the drafter's layer on
+#                                    # the kernels against k = 3, 5 compiled, real weights, one process; drafter home
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
 #
@@ -188,6 +192,26 @@ case "$1" in
   kt)
     stage_first_half
     timeout "${KT_S:-240}" python3 -m pytest -q tests/test_triton_kernels.py -k "${KT_K:-packed or pack_layout}" 2>&1 | tail -4
+    ;;
+  dk)
+    stage_first_half
+    timeout 150 python3 -m pytest -q tests/test_triton_kernels.py tests/test_eagle_graph.py -k "drafter_chain or static" \
+      2>&1 | tail -3
+    timeout 330 python3 benchmarks/drafter_step.py --static-only --e2e --rounds 100 --out "$OUT" 2>&1 \
+      | grep -v Warning | tee "$OUT/drafter_step_kernels.log"
+    ;;
+  dr)
+    if ! grep -q mean_acceptance_length "$OUT/quickstart_j.jsonl" /root/qs-gpu/quickstart_k.jsonl 2>/dev/null; then
+      timeout "${QS_S:-240}" python3 -m specdec quickstart --out /root/qs-gpu --prompts 2500 --tree-depth 0 \
+        --eval-prompts 10 --json > /root/qs-gpu/quickstart_k.jsonl 2> "$OUT/quickstart_gpu_k.log"
+      cp /root/qs-gpu/quickstart_k.jsonl "$OUT/"; grep -v Warning "$OUT/quickstart_gpu_k.log" | grep -v "^ " | tail -14
+    fi
+    cp /root/qs-gpu/train/train_summary.json "$OUT/train_summary_dr.json" 2>/dev/null
+    drafter_home
+    timeout "${DR_S:-360}" python3 benchmarks/drafter_step.py --target smollm2-135m-instruct \
+      --drafter /root/qs-gpu/train/drafter --prompts 5 --max-new-tokens 256 --out "$OUT" --e2e-rows \
+      plain,eagle3-k3-static,eagle3-k5-static,eagle3-k1-kernels,eagle3-k2-kernels,eagle3-k3-kernels,eagle3-k4-kernels,eagle3-k5-kernels \
+      2>&1 | grep -v Warning | tee "$OUT/drafter_step_real.log"
     ;;
   i)
     stage_first_half

@@ -295,3 +295,58 @@ def test_steps_with_packed_weights_match_row_major(tiny_targets, monkeypatch):
         got = packed.step([ids[t] for t in ts], ts, ts[0], _causal(T), T).logits.float().cpu()
         assert (got - want).norm() <= 0.01 * want.norm()
     assert 4 not in unpacked
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_drafter_chain_through_the_kernels_matches_the_modules(tiny_targets, k, monkeypatch):
+    """StaticChainDrafter with its layer on the kernels (eagle_kernels.py) against the same drafter
+    on its modules: the same drafts and logits within bf16, round after round, for commits of every
+    size from 1 to k + 1 (rows kernel, decode_attention over T rows) and one-token drafts (GEMV,
+    folded SiLU * up); a cached key in the wrong slot or a wrong norm shows in the next round
+    (relative logit error ~0.1% here against ~50% for such a fault)."""
+    from specdec.engine.eagle_graph import StaticChainDrafter
+    from specdec.engine.eagle_kernels import applies
+    from tests.test_eagle_graph import sharp_drafter
+
+    target = tiny_targets["llama"]
+    # fp16: 8x finer than bf16, so the kernels' rounding (and the interpreter's truncation) stays
+    # off the near-ties a sharp drafter still has deep in a chain.
+    drafter = copy.deepcopy(sharp_drafter(target, seed=3)).to(DEV, torch.float16)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # norm weights of their own (a fresh drafter's are all ones)
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    assert applies(drafter, k + 1)
+    calls = {"attention": 0}
+
+    def counted(*a, real=decode_attention.decode_attention):
+        calls["attention"] += 1
+        return real(*a)
+
+    monkeypatch.setattr(decode_attention, "decode_attention", counted)
+    fused = StaticChainDrafter(drafter, k=k, max_len=64, cuda_graphs=False, kernels=True)
+    plain = StaticChainDrafter(drafter, k=k, max_len=64, cuda_graphs=False, kernels=False)
+    width = len(target.aux_layer_ids) * target.hidden_size
+
+    def inputs(n):
+        return _randn(n, width, seed=int(torch.randint(0, 1 << 30, (), generator=gen))).half(), \
+            torch.randint(0, target.vocab_size, (n,), generator=gen).to(DEV)
+
+    # k = 1: a prompt longer than k + 1, whose first commit runs the modules on both; k = 4: one
+    # that the kernels commit
+    m = 9 if k == 1 else 3
+    aux, ids = inputs(m)
+    fused.begin(aux, ids)
+    plain.begin(aux, ids)
+    assert calls["attention"] == (m <= k + 1)
+    for round_ in range(2 * (k + 1)):
+        a, b = plain.propose(), fused.propose()
+        assert b.tokens == a.tokens, f"round {round_}"
+        got, want = fused.logits.float().cpu(), plain.logits.float().cpu()
+        assert (got - want).norm() <= 0.005 * want.norm()
+        aux, ids = inputs(1 + round_ % (k + 1))
+        fused.commit(aux, ids)
+        plain.commit(aux, ids)
+    assert calls["attention"] == (m <= k + 1) + 2 * (k + 1) * k  # per round: the commit and k - 1 drafts
+    assert int(fused.length) == int(plain.length) == m + sum(1 + r % (k + 1) for r in range(2 * (k + 1)))

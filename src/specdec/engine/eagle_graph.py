@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from ..models.drafter import Eagle3Drafter, small_query_attention
+from .eagle_kernels import KernelLayer, applies
 from .tree import Draft, TreeConfig
 
 
@@ -31,10 +32,11 @@ class _StaticDrafter:
     drafting step (`_draft`) and `propose`. A commit carries up to `k + 1` positions."""
 
     def __init__(self, drafter: Eagle3Drafter, *, k: int, max_len: int, scratch: int,
-                 cuda_graphs: bool | None = None, compile: bool = False):
+                 cuda_graphs: bool | None = None, compile: bool = False, kernels: bool = False):
         """`compile`: fuse each step with inductor before capturing it. Captured as they are, the
         steps are ~14 small kernels per drafted token (norms, rotary, the attention's mask), and
         on a 135M target a drafting round then costs more than the target's verify step.
+        `kernels`: the layer runs on the fast path's Triton kernels (eagle_kernels.py; chains only).
         `scratch`: cache slots past max_len that a round's drafts write."""
         d = drafter
         p = d.lm_head.weight
@@ -43,8 +45,11 @@ class _StaticDrafter:
         self.drafter, self.k = d, k
         # Padded commit rows and the last round's drafts write past the committed length.
         self.size = max_len + (k + 1) + scratch
-        self.kc = torch.zeros(1, cfg.num_key_value_heads, self.size, cfg.head_dim, device=dev, dtype=dt)
-        self.vc = torch.zeros_like(self.kc)
+        # Keys and values in one tensor [2, kv heads, slots, head size], the layout the kernels read.
+        kv = torch.zeros(2, cfg.num_key_value_heads, self.size, cfg.head_dim, device=dev, dtype=dt)
+        self.kc, self.vc = kv[0:1], kv[1:2]
+        self.kernel_layer = KernelLayer(d, kv) if kernels else None
+        self.causal = torch.ones(k + 1, k + 1, dtype=torch.long, device=dev).tril()  # the kernels' step mask
         self.slots = torch.arange(self.size, device=dev)
         self.rows = torch.arange(k + 1, device=dev)
         self.d2t_ids = d.draft_to_target
@@ -73,6 +78,11 @@ class _StaticDrafter:
     def _layer(self, ids, hidden, pos, mask, aux: bool, slots=None):
         """One drafter layer over T rows: rope positions `pos` [T], cache slots `slots` [T]
         (default: `pos`), `mask` bool [T, size] (True = may attend)."""
+        T = ids.shape[1]
+        if self.kernel_layer is not None and T <= self.k + 1:
+            # A chain's commit or draft: `mask` is causal over contiguous slots. (A prompt's longer
+            # first commit runs the modules below, on the same cache.)
+            return self.kernel_layer(ids, hidden, pos, self.causal[:T, :T].contiguous(), aux)
         d = self.drafter
         attn = d.midlayer.self_attn
         if aux:
@@ -178,8 +188,12 @@ class StaticChainDrafter(_StaticDrafter):
     """A greedy chain of k drafts per round."""
 
     def __init__(self, drafter: Eagle3Drafter, *, k: int, max_len: int, cuda_graphs: bool | None = None,
-                 compile: bool = False):
-        super().__init__(drafter, k=k, max_len=max_len, scratch=k + 1, cuda_graphs=cuda_graphs, compile=compile)
+                 compile: bool = False, kernels: bool | None = None):
+        """`kernels` (None: on a GPU where they apply, eagle_kernels.applies)."""
+        if kernels is None:
+            kernels = drafter.lm_head.weight.is_cuda and applies(drafter, k + 1)
+        super().__init__(drafter, k=k, max_len=max_len, scratch=k + 1, cuda_graphs=cuda_graphs, compile=compile,
+                         kernels=kernels)
         self.drafts = torch.zeros(k, dtype=torch.long, device=self.kc.device)
 
     def _draft(self) -> None:

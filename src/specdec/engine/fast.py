@@ -48,6 +48,7 @@ from .api import SamplingParams, StepOutput
 from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from .engine import SpeculativeEngine, truncate_at_stop
+from .layer_math import rms_norm, rotate_half
 from .gemv import (ROWS_MAX, folds, folds_glu, fused_one_token, gemv_linear, linear_add, pack, pack_layout,
                    rms_glu_linear, rms_linear)
 from . import decode_attention
@@ -85,22 +86,6 @@ def check_supported(config, max_len: int | None = None) -> None:
             f"the target uses sliding-window attention ({window} tokens) and the fast path attends "
             f"to the whole cache; pass max_len <= {window} or use the reference engine"
         )
-
-
-# -- the math, shared by the eager (CPU, tests) and the compiled (CUDA) paths -----------------
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Exactly HF's LlamaRMSNorm: normalise in fp32, cast back, then scale."""
-    dt = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(dt)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,12 +148,12 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
         if qn is not None:  # Qwen3: per-head RMSNorm before rope
             q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
         c, sn = cos[:, None, :], sin[:, None, :]
-        k = k * c + _rotate_half(k) * sn
+        k = k * c + rotate_half(k) * sn
         # kv shape: [2, nkv, S, hd]; one index_put_ for keys and values, reinplaced
         kv[:, :, slots] = torch.stack((k, v)).transpose(1, 2)
         if kernel and qn is None and decode_attention.fits(qkv, kv, nh):
             return decode_attention.decode_attention(qkv, cos, sin, kv, slots, tm, nh, scale)  # ropes q itself
-        q = q * c + _rotate_half(q) * sn
+        q = q * c + rotate_half(q) * sn
         # GQA without repeating the cache: the g query heads of one kv head become g*T rows.
         qg = q.view(T, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * T, hd)
         att = torch.matmul(qg, kv[0].transpose(1, 2)) * scale  # shape: [nkv, gT, S]
@@ -614,6 +599,7 @@ class FastEngine(SpeculativeEngine):
         decoder: FastDecoder | None = None,
         static_drafter: bool = True,
         pack_weights: bool | None = None,
+        drafter_kernels: bool | None = None,
     ):
         """`decoder`: reuse another FastEngine's decoder (same target): its weights, cache and
         captured buckets are shared, so only new bucket sizes compile. `static_drafter`: greedy
@@ -623,7 +609,8 @@ class FastEngine(SpeculativeEngine):
         uses it). `compile`: inductor on the decoder's steps (default: on a CUDA GPU only; True
         compiles on a CPU too, as `make_engine`'s CPU fast path does). `pack_weights`: a packed
         second copy of the large products' weights for the kernels (`FastDecoder.optimize`'s `pack`;
-        None: gemv.PACK_WEIGHTS, off)."""
+        None: gemv.PACK_WEIGHTS, off). `drafter_kernels`: a static chain drafter's layer on the
+        Triton kernels (eagle_kernels.py; None: on a GPU where they apply)."""
         if require_cuda and target.device.type != "cuda":
             raise SpecdecError(
                 f"the fast path needs a CUDA GPU; the target is on {target.device}; use the "
@@ -643,8 +630,8 @@ class FastEngine(SpeculativeEngine):
         self.static = None
         if isinstance(self.proposer, Eagle3Proposer) and static_drafter:
             kw = dict(max_len=self.max_len, cuda_graphs=on_cuda and cuda_graphs, compile=compile and on_cuda)
-            self.static = (StaticChainDrafter(self.proposer.drafter, k=k, **kw) if tree is None
-                           else StaticTreeDrafter(self.proposer.drafter, tree=tree, **kw))
+            self.static = (StaticChainDrafter(self.proposer.drafter, k=k, kernels=drafter_kernels, **kw)
+                           if tree is None else StaticTreeDrafter(self.proposer.drafter, tree=tree, **kw))
         if decoder is not None:
             if decoder.cache_len < self.max_len + pad:
                 raise SpecdecError(f"the shared decoder's cache ({decoder.cache_len} slots) is too small")

@@ -1,0 +1,103 @@
+"""The EAGLE-3 drafter's layer on the fast path's Triton kernels, for greedy chains on a GPU.
+
+Compiled by inductor and captured in a CUDA graph, the drafter's layer still runs its products as
+cuBLAS matrix-vector calls and its attention over the whole preallocated cache under a mask: ~0.11
+ms per drafted token on an H200 for a SmolLM2-sized drafter, against ~0.027 ms for one of the
+target's own 30 layers on the kernels (BENCHMARKS.md). Here the layer is the target's layer
+recipe (engine/fast.py) with the drafter's two inputs:
+
+    x = [input_layernorm(embed(token)) | hidden_norm(hidden)]        2H wide, the q/k/v product's input
+    q/k/v in one product, keys roped into the cache, decode_attention over the live slots only
+    o_proj with the residual add at its store, the MLP's gate/up with RMSNorm and SiLU * up
+    folded in, down with the residual add, then the final norm folded into the lm_head product.
+
+A step's T rows occupy the contiguous slots pos[0]..pos[0] + T - 1 and see every slot before them
+(the chain's commit and its drafts); trees keep the compiled layer. Same weights as the drafter's
+modules, fused once (q/k/v and gate/up concatenated), so a drafter loaded later is not seen.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..models.drafter import Eagle3Drafter
+from . import decode_attention, gemv
+from .layer_math import rms_norm, rotate_half
+
+
+def applies(drafter: Eagle3Drafter, rows: int) -> bool:
+    """Whether the kernels can take this drafter for steps of up to `rows` tokens: a bf16/fp16
+    drafter where Triton runs (gemv.runs_on), a head size and query rows decode_attention takes, the plain fc
+    (the gpt-oss-style norms before fc stay on the compiled layer)."""
+    cfg = drafter.cfg
+    w = drafter.lm_head.weight
+    hd, nkv = cfg.head_dim, cfg.num_key_value_heads
+    g = cfg.num_attention_heads // nkv
+    return (gemv.runs_on(w) and hd >= 16 and hd & (hd - 1) == 0 and g * rows <= decode_attention.MAX_ROWS
+            and rows <= gemv.ROWS_MAX and drafter.input_norm is None and drafter.fc_norm is None)
+
+
+def _norm_linear(x, g, eps, w):
+    return gemv.rms_linear(x, g, eps, w) if gemv.folds(x, w) else gemv.gemv_linear(rms_norm(x, g, eps), w)
+
+
+def _add_linear(residual, x, w):
+    return gemv.linear_add(x, w, residual) if gemv.folds(x, w) else residual + gemv.gemv_linear(x, w)
+
+
+class KernelLayer:
+    """The drafter's layer over a chain step; `kv` [2, kv heads, slots, head size] is its cache."""
+
+    def __init__(self, drafter: Eagle3Drafter, kv: torch.Tensor):
+        d, cfg = drafter, drafter.cfg
+        m, a = d.midlayer, d.midlayer.self_attn
+        with torch.no_grad():
+            self.embed = d.embed_tokens.weight
+            self.fc = d.fc.weight
+            self.ln_in, self.ln_hidden = m.input_layernorm.weight, m.hidden_norm.weight
+            self.wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous()
+            self.wo = a.o_proj.weight
+            self.ln2 = m.post_attention_layernorm.weight
+            self.wgu = torch.cat([m.mlp.gate_proj.weight, m.mlp.up_proj.weight]).contiguous()
+            self.wd = m.mlp.down_proj.weight
+            self.norm_w, self.lm_w = d.norm.weight, d.lm_head.weight
+            # Rope rows for every slot, as the drafter's rotary embedding computes them.
+            slots = torch.arange(kv.shape[2], device=kv.device)
+            cos, sin = d.rotary_emb(self.lm_w, slots[None])
+            self.cos, self.sin = cos[0].to(kv.dtype), sin[0].to(kv.dtype)
+        self.kv = kv
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.norm_before_residual, self.norm_output = cfg.norm_before_residual, cfg.norm_output
+
+    def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, tm: torch.Tensor,
+                 aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [1, T], hidden [1, T, 3tH] (aux: the target's states) or [1, T, H] (recycled), pos [T]
+        positions = cache slots, tm [T, T] the causal mask as ints. Returns (hidden [1, T, H],
+        logits [1, T, draft vocab]), as `Eagle3Drafter.head` does."""
+        T = ids.shape[1]
+        nh, nkv, hd, eps = self.heads, self.kv_heads, self.head_dim, self.eps
+        h = hidden[0]
+        if aux:
+            h = gemv.gemv_linear(h, self.fc)
+        normed = rms_norm(h, self.ln_hidden, eps)
+        residual = normed if self.norm_before_residual else h
+        x = torch.cat([rms_norm(F.embedding(ids[0], self.embed), self.ln_in, eps), normed], dim=-1)
+        qkv = gemv.gemv_linear(x, self.wqkv)  # shape: [T, (nh + 2 nkv) hd]
+        _, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        cos, sin = self.cos[pos], self.sin[pos]
+        k = k.view(T, nkv, hd)
+        k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+        self.kv[:, :, pos] = torch.stack((k, v.view(T, nkv, hd))).transpose(1, 2)
+        att = decode_attention.decode_attention(qkv, cos, sin, self.kv, pos, tm, nh, hd**-0.5)  # ropes q
+        h = _add_linear(residual, att, self.wo)
+        if gemv.fused_one_token(h, self.wgu) and gemv.folds_glu(self.wgu):
+            act = gemv.rms_glu_linear(h, self.ln2, eps, self.wgu)
+        else:
+            gate, up = _norm_linear(h, self.ln2, eps, self.wgu).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        h = _add_linear(h, act, self.wd)
+        logits = _norm_linear(h, self.norm_w, eps, self.lm_w)
+        out = rms_norm(h, self.norm_w, eps) if self.norm_output else h
+        return out[None], logits[None]

@@ -158,9 +158,11 @@ def real_e2e(dev, res, out, names, target_path: str, drafter_path: str, prompts:
     for name in names:
         if name == "plain":
             continue
-        kind, k = name.split("-")[2], int(name.split("-")[1][1:])  # eagle3-k3-kernels
+        parts = name.split("-")  # eagle3-k3-kernels, eagle3-k3-kernels-host
+        k, kind, host = int(parts[1][1:]), parts[2], parts[-1] == "host"
         engines[name] = FastEngine(target, max_len=2048, decoder=plain.fast, drafter=drafter, k=k,
-                                   drafter_kernels=kind == "kernels" and not cpu, require_cuda=not cpu)
+                                   drafter_kernels=kind == "kernels" and not cpu, chain_on_device=not host,
+                                   require_cuda=not cpu)
     rows = {}
     for name, e in engines.items():
         t0 = time.perf_counter()
@@ -217,6 +219,10 @@ def e2e(dev, res, out, names=E2E_ROWS) -> None:
                 "eagle3-k3-static": {"drafter": drafter, "k": 3, "static_drafter": True, "drafter_kernels": False},
                 "eagle3-k5-kernels": {"drafter": drafter, "k": 5, "drafter_kernels": True},
                 "eagle3-k3-kernels": {"drafter": drafter, "k": 3, "drafter_kernels": True},
+                "eagle3-k3-kernels-host": {"drafter": drafter, "k": 3, "drafter_kernels": True,
+                                           "chain_on_device": False},
+                "eagle3-k5-kernels-host": {"drafter": drafter, "k": 5, "drafter_kernels": True,
+                                           "chain_on_device": False},
                 "eagle3-tree-eager": {"drafter": drafter, "tree": tree, "static_drafter": False},
                 "eagle3-tree-static": {"drafter": drafter, "tree": tree, "static_drafter": True}}
     for name in ("plain", *[n for n in names if n != "plain"]):
@@ -249,7 +255,9 @@ def main() -> int:
     ap.add_argument("--e2e-rows", default=",".join(E2E_ROWS),
                     help="engine rows for --e2e (plain always runs first): plain, eagle3-k5-eager, "
                          "eagle3-k5-static, eagle3-k3-static, eagle3-k5-kernels, eagle3-k3-kernels (the drafter's "
-                         "layer on the Triton kernels), eagle3-tree-eager, eagle3-tree-static")
+                         "layer on the Triton kernels), eagle3-k3-kernels-host, eagle3-k5-kernels-host (the "
+                         "host reads the drafts, then the argmax), eagle3-tree-eager, eagle3-tree-static")
+    ap.add_argument("--e2e-only", action="store_true", help="only the engine rows (--e2e-rows), random weights")
     ap.add_argument("--target", help="with --drafter: the e2e rows on this real target (MT-Bench first turns)")
     ap.add_argument("--drafter", help="a trained drafter folder for --target")
     ap.add_argument("--prompts", type=int, default=5, help="MT-Bench first turns for --target (default: 5)")
@@ -274,6 +282,11 @@ def main() -> int:
 
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "k": 5, "rounds": args.rounds}
+    if args.e2e_only:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        e2e(dev, res, out, args.e2e_rows.split(","))
+        return 0
     if args.target:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

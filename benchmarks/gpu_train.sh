@@ -48,6 +48,10 @@
 #                                    # CUDA, the round and engine steps against the compiled layer (random weights)
 #   bash benchmarks/gpu_train.sh dr  # (after dk, j) the quickstart finishes; chains k = 1..5 with the drafter's layer on
 #                                    # the kernels against k = 3, 5 compiled, real weights, one process; drafter home
+#   bash benchmarks/gpu_train.sh dk2 # stage the first GGUF half and the first half of the drafter brought home by dr
+#                                    # (.devdata/dr); the chain steps on the device: tests on CUDA, random weights
+#   bash benchmarks/gpu_train.sh dr2 # (after dk2) the second halves; chains with the drafts on the device against the
+#                                    # host reading them, real weights, one process
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
 #
@@ -199,6 +203,23 @@ case "$1" in
       2>&1 | tail -3
     timeout 330 python3 benchmarks/drafter_step.py --static-only --e2e --rounds 100 --out "$OUT" 2>&1 \
       | grep -v Warning | tee "$OUT/drafter_step_kernels.log"
+    ;;
+  dk2)
+    stage_first_half
+    cp .devdata/dr/drafter.tar.aa /root/m/
+    timeout 150 python3 -m pytest -q tests/test_triton_kernels.py tests/test_eagle_graph.py -k "drafter_chain or static \
+      or chain_steps" 2>&1 | tail -3
+    timeout 200 python3 benchmarks/drafter_step.py --e2e-only --e2e-rows \
+      plain,eagle3-k3-kernels-host,eagle3-k3-kernels --out "$OUT" 2>&1 | grep "^e2e\|Error" | tee "$OUT/drafter_step_device.log"
+    ;;
+  dr2)
+    assemble_smollm2
+    cat /root/m/drafter.tar.aa .devdata/dr/drafter.tar.ab > /root/drafter.tar && sha256sum /root/drafter.tar \
+      && tar -C /root -xf /root/drafter.tar
+    timeout "${DR_S:-360}" python3 benchmarks/drafter_step.py --target smollm2-135m-instruct \
+      --drafter /root/drafter-home --prompts 5 --max-new-tokens 256 --out "$OUT" --e2e-rows \
+      plain,eagle3-k3-kernels-host,eagle3-k5-kernels-host,eagle3-k1-kernels,eagle3-k2-kernels,eagle3-k3-kernels,eagle3-k4-kernels,eagle3-k5-kernels \
+      2>&1 | grep -v Warning | tee "$OUT/drafter_step_real_device.log"
     ;;
   dr)
     if ! grep -q mean_acceptance_length "$OUT/quickstart_j.jsonl" /root/qs-gpu/quickstart_k.jsonl 2>/dev/null; then

@@ -127,6 +127,54 @@ def test_fast_engine_with_static_drafter_is_lossless(tiny_targets, arch, shape, 
     assert (got.num_drafts, got.accepted_per_position) == (eager.num_drafts, eager.accepted_per_position)
 
 
+class _OracleChain(StaticChainDrafter):
+    """Drafts the reference continuation, wrong from a depth that depends on the committed length
+    (`wrong_at`), so steps accept every count from 0 to k. Its length is the drafter's own device
+    counter: a step that commits the wrong count misaligns every later round."""
+
+    def __init__(self, drafter, full: list[int], wrong_at, **kw):
+        super().__init__(drafter, **kw)
+        self.full, self.wrong_at = full, wrong_at
+
+    def _draft(self) -> None:
+        L = int(self.length)  # positions committed = tokens in the target's cache
+        want = self.full[L + 1 : L + 1 + self.k]
+        want += [0] * (self.k - len(want))
+        c = self.wrong_at(L)
+        tokens = [t if i < c else (t + 1) % 250 for i, t in enumerate(want)]
+        self.drafts.copy_(torch.tensor(tokens))
+
+
+def test_chain_steps_on_the_device_commit_what_the_target_accepted(tiny_targets):
+    """FastEngine's chain steps (drafts copied into the verify step's input, the accepted count
+    computed on the device, the next round queued before the host reads): lossless, and the
+    acceptance per step is exactly the oracle's schedule, every count from 0 to k."""
+    target, k = tiny_targets["llama"], 3
+    prompt = torch.randint(0, 250, (11,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ref = SpeculativeEngine(target).generate(prompt, params).token_ids
+    full = prompt + ref
+
+    def wrong_at(L):
+        return (L * 7) % (k + 2)  # k + 1 and up: every draft right
+
+    engine = FastEngine(target, require_cuda=False, max_len=128, prefill_chunk=8,
+                        drafter=random_drafter(target), k=k)
+    engine.static = _OracleChain(engine.proposer.drafter, full, wrong_at, k=k, max_len=engine.max_len,
+                                 cuda_graphs=False)
+    got = engine.generate(prompt, params)
+    assert got.token_ids == ref
+    L, accepted, produced = len(prompt), [0] * k, 1  # replay the schedule on the host
+    while produced < params.max_new_tokens:
+        n = min(wrong_at(L), k)
+        for i in range(n):
+            accepted[i] += 1
+        L += n + 1
+        produced += n + 1
+    assert got.accepted_per_position == accepted
+    assert len({min(wrong_at(L), k) for L in range(len(prompt), len(full))}) == k + 1
+
+
 class _Ops(TorchDispatchMode):
     """Records the aten ops a piece of code runs."""
 
@@ -155,7 +203,10 @@ def test_captured_steps_never_read_the_host(tiny_targets, kind):
         static = StaticChainDrafter(random_drafter(target), k=int(kind[-1]), max_len=64, cuda_graphs=False)
     width = len(target.aux_layer_ids) * target.hidden_size
     static.begin(torch.randn(5, width), torch.randint(0, target.vocab_size, (5,)))
-    for step in (static._draft, static._commit):
+    if kind != "tree":  # the commit of a verify step's outputs, as FastEngine attaches them
+        static.attach(torch.randint(0, target.vocab_size, (static.k + 1,)), torch.randn(static.k + 1, width))
+        static.draft()
+    for step in (static._draft, static._commit) + ((static._commit_verified,) if kind != "tree" else ()):
         with torch.no_grad(), _Ops() as seen:
             step()
         assert {op.split(".")[0] for op in seen.ops} & HOST_READS == set(), step.__name__

@@ -63,8 +63,9 @@ class _StaticDrafter:
         self.hidden = torch.zeros(1, 1, cfg.hidden_size, device=dev, dtype=dt)
         self.logits = torch.zeros(1, 1, cfg.draft_vocab_size, device=dev, dtype=dt)
         self.graphs = (dev.type == "cuda") if cuda_graphs is None else cuda_graphs
-        self._commit_graph = self._draft_graph = None
-        self._eager_steps = {"_commit_graph": self._commit, "_draft_graph": self._draft}
+        self._commit_graph = self._draft_graph = self._verified_graph = None
+        self._eager_steps = {"_commit_graph": self._commit, "_draft_graph": self._draft,
+                             "_verified_graph": self._commit_verified}
         self._steps = self._eager_steps
         if compile:
             # Without coordinate-descent tuning even where the target's FastDecoder turned it on
@@ -108,6 +109,17 @@ class _StaticDrafter:
         self.hidden.copy_(h.index_select(1, last))
         self.logits.copy_(lg.index_select(1, last))
         self.length.add_(self.in_n)
+
+    def _commit_verified(self) -> None:
+        """Commit what the target's verify step accepted, read on the device (`attach`): the
+        drafts up to the first the target's argmax disagrees with, then the target's own token.
+        Those k + 1 next tokens are the verify step's argmax rows 0..n - 1 themselves."""
+        k = self.k
+        agree = (self.drafts == self.v_top[:k]).long().cumprod(0).sum()
+        self.in_ids[0].copy_(self.v_top[: k + 1])
+        self.in_aux[0].copy_(self.v_aux[: k + 1])
+        self.in_n.copy_(agree + 1)
+        self._commit()
 
     def _replay(self, name: str) -> None:
         fn = self._steps[name]
@@ -185,7 +197,13 @@ class _StaticDrafter:
 
 
 class StaticChainDrafter(_StaticDrafter):
-    """A greedy chain of k drafts per round."""
+    """A greedy chain of k drafts per round.
+
+    Two ways to drive it. `propose` / `commit`: the host reads the drafts and hands back what was
+    accepted. Or, with the target's verify step on the device too (FastEngine): `draft` queues a
+    round whose drafts stay in `drafts`, `attach` names the verify step's argmax and aux buffers,
+    and `commit_verified` queues the commit of what they accepted, so a speculative step queues
+    commit, drafts and verify back to back and the host reads once, after the verify."""
 
     def __init__(self, drafter: Eagle3Drafter, *, k: int, max_len: int, cuda_graphs: bool | None = None,
                  compile: bool = False, kernels: bool | None = None):
@@ -213,6 +231,24 @@ class StaticChainDrafter(_StaticDrafter):
         self._replay("_draft_graph")
         tokens = self.drafts.tolist()  # the round's one host read
         return Draft(tokens=tokens, parents=list(range(-1, len(tokens) - 1)))
+
+    @torch.no_grad()
+    def draft(self) -> None:
+        """Queue a round; its k drafts land in `drafts` (nothing is read)."""
+        self._replay("_draft_graph")
+
+    def attach(self, top: torch.Tensor, aux: torch.Tensor) -> None:
+        """The verify step's argmax [>= k + 1] and aux states [>= k + 1, 3tH] that `commit_verified`
+        reads. A captured commit holds their addresses: new tensors drop it (it is captured again)."""
+        if getattr(self, "v_top", None) is top and self.v_aux is aux:
+            return
+        self.v_top, self.v_aux = top, aux
+        self._verified_graph = None
+
+    @torch.no_grad()
+    def commit_verified(self) -> None:
+        """Queue the commit of the last verify step's accepted tokens (see `attach`)."""
+        self._replay("_verified_graph")
 
 
 class StaticTreeDrafter(_StaticDrafter):

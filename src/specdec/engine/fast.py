@@ -479,6 +479,14 @@ class FastDecoder:
              capture: bool = False) -> StepBuffers:
         """Run one step of bucket T (len(ids) <= T; the rest is padding). Returns the buffers
         holding logits/top/aux (valid until the next step of the same bucket)."""
+        b = self.stage(ids, pos, slot0, tmask, T, capture)
+        self.run(b, capture)
+        return b
+
+    def stage(self, ids: list[int], pos: list[int], slot0: int, tmask: np.ndarray, T: int,
+              capture: bool = False) -> StepBuffers:
+        """The first half of `step`: the inputs on their way to the device (queued on the current
+        stream, so work queued after it may still edit `staging` before `run`)."""
         if slot0 + T > self.cache_len:
             raise SpecdecError(f"cache of {self.cache_len} slots is full (slot {slot0} + {T})")
         b = self._buffers(T, capture)
@@ -492,12 +500,15 @@ class FastDecoder:
             if b.copied is None:
                 b.copied = torch.cuda.Event()
             b.copied.record()
+        return b
+
+    def run(self, b: StepBuffers, capture: bool = False) -> None:
+        """The second half of `step`: the staged step, replayed (or run without graphs)."""
         if b.graph is not None:
             b.graph.replay()
         else:
             with torch.no_grad():
                 b.logits, b.top, b.aux = self._run(b.staging, capture)
-        return b
 
     # -- cache edits -----------------------------------------------------------------------
     def compact(self, dst_start: int, src: list[int]) -> None:
@@ -600,6 +611,7 @@ class FastEngine(SpeculativeEngine):
         static_drafter: bool = True,
         pack_weights: bool | None = None,
         drafter_kernels: bool | None = None,
+        chain_on_device: bool = True,
     ):
         """`decoder`: reuse another FastEngine's decoder (same target): its weights, cache and
         captured buckets are shared, so only new bucket sizes compile. `static_drafter`: greedy
@@ -610,7 +622,9 @@ class FastEngine(SpeculativeEngine):
         compiles on a CPU too, as `make_engine`'s CPU fast path does). `pack_weights`: a packed
         second copy of the large products' weights for the kernels (`FastDecoder.optimize`'s `pack`;
         None: gemv.PACK_WEIGHTS, off). `drafter_kernels`: a static chain drafter's layer on the
-        Triton kernels (eagle_kernels.py; None: on a GPU where they apply)."""
+        Triton kernels (eagle_kernels.py; None: on a GPU where they apply). `chain_on_device`: such a
+        drafter's chain steps keep drafts and acceptance on the device (`_chain_steps`, one host
+        read per step); False: the host reads the drafts, then the argmax (two reads)."""
         if require_cuda and target.device.type != "cuda":
             raise SpecdecError(
                 f"the fast path needs a CUDA GPU; the target is on {target.device}; use the "
@@ -628,6 +642,7 @@ class FastEngine(SpeculativeEngine):
         on_cuda = target.device.type == "cuda"
         compile = on_cuda if compile is None else compile
         self.static = None
+        self.chain_on_device = chain_on_device
         if isinstance(self.proposer, Eagle3Proposer) and static_drafter:
             kw = dict(max_len=self.max_len, cuda_graphs=on_cuda and cuda_graphs, compile=compile and on_cuda)
             self.static = (StaticChainDrafter(self.proposer.drafter, k=k, kernels=drafter_kernels, **kw)
@@ -653,6 +668,10 @@ class FastEngine(SpeculativeEngine):
         self.fast.warmup(sorted(set(self.buckets) | {self.prefill_chunk}), capture)
         if self.static is not None:
             self.static.warm()
+        b = self.fast._bufs.get((self.k + 1, capture))
+        if isinstance(self.static, StaticChainDrafter) and b is not None and b.graph is not None:
+            self.static.attach(b.top, b.aux)  # and its commit of a verify step's outputs, captured
+            self.static.commit_verified()
         return time.perf_counter() - t0
 
     def _bucket(self, n: int) -> int:
@@ -683,6 +702,9 @@ class FastEngine(SpeculativeEngine):
         finished = last in stops or produced >= params.max_new_tokens
         yield StepOutput(token_ids=[last], finished=finished,
                          finish_reason=("stop" if last in stops else "length") if finished else None)
+        if isinstance(static, StaticChainDrafter) and self.chain_on_device and not finished:
+            yield from self._chain_steps(static, context, produced, params.max_new_tokens, stops)
+            return
         while not finished:
             P = len(context) - 1  # tokens in the cache; context[-1] is not yet in it
             budget = params.max_new_tokens - produced
@@ -721,6 +743,48 @@ class FastEngine(SpeculativeEngine):
             finished = reason is not None
             yield StepOutput(token_ids=committed, drafted=n, accepted=len(path),
                              accepted_positions=positions_ok, finished=finished, finish_reason=reason)
+
+
+    def _chain_steps(self, static: StaticChainDrafter, context: list[int], produced: int, max_new: int,
+                     stops) -> Iterator[StepOutput]:
+        """Greedy EAGLE-3 chain steps with the drafting on the device: per step the host stages the
+        verify step's positions, the drafts are copied into its input on the device, the verify
+        runs, and the next round (commit what it accepted, draft k more) is queued behind it
+        before the host reads the drafts and the target's argmax, its one read of the step. So
+        the GPU drafts the next round while the host walks this one."""
+        k, T = self.k, self.k + 1
+        cuda = self.target.device.type == "cuda"
+        causal = _causal(T)
+        chain = list(range(-1, k - 1))
+        host = torch.empty(2 * k + 1, dtype=torch.long, pin_memory=cuda)  # drafts, then the argmax
+        read = torch.cuda.Event() if cuda else None
+        static.draft()  # the first round, from the prompt begin() committed
+        finished = False
+        while not finished:
+            P = len(context) - 1
+            b = self.fast.stage([context[-1]] + [0] * k, list(range(P, P + T)), P, causal, T, capture=True)
+            b.staging[2 : 1 + T].copy_(static.drafts)  # ids[1:], behind the staged copy
+            self.fast.run(b, capture=True)
+            host[:k].copy_(static.drafts, non_blocking=cuda)
+            host[k:].copy_(b.top[:T], non_blocking=cuda)
+            if cuda:
+                read.record()
+            static.attach(b.top, b.aux)
+            static.commit_verified()
+            static.draft()  # the next round, queued behind the read
+            if cuda:
+                read.synchronize()
+            values = host.tolist()
+            draft = Draft(tokens=values[:k], parents=chain)
+            path, bonus = _greedy_walk(draft, values[k:])
+            new_tokens = draft.tokens[: len(path)] + [bonus]
+            committed, reason = truncate_at_stop(new_tokens, stops, produced, max_new)
+            produced += len(committed)
+            context.extend(committed)
+            finished = reason is not None
+            yield StepOutput(token_ids=committed, drafted=k, accepted=len(path),
+                             accepted_positions=[i < len(path) for i in range(k)], finished=finished,
+                             finish_reason=reason)
 
 
 def prefer_coordinate_descent(model, threshold_bytes: int = 2 << 30) -> bool:

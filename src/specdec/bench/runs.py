@@ -44,6 +44,10 @@ class Row:
     warmup_seconds: float = 0.0
     mean_acceptance_length: float | None = None
     acceptance_rate: float | None = None
+    steps: int = 0  # target passes, the prefill's included (specdec rows)
+    drafted_per_step: float | None = None  # draft tokens verified per step that drafted
+    step_cost: float | None = None  # ms per step over specdec plain's ms per step
+    cost_per_draft: float | None = None  # c: (step_cost - 1) / drafted_per_step
     identical_to_plain: int | None = None  # prompts whose tokens equal specdec-plain's
     common_prefix_frac: float | None = None  # mean shared-prefix length / plain's length
     error: str | None = None
@@ -162,7 +166,8 @@ def hf_generate(target, prompt_lookup: int | None = None, assistant=None
 def engine_run(engine) -> Callable[[list[int], int], tuple[list[int], dict]]:
     def run(prompt: list[int], max_new: int):
         res = engine.generate(prompt, SamplingParams(max_new_tokens=max_new))
-        return res.token_ids, {"drafted": res.drafted, "accepted": res.accepted, "num_drafts": res.num_drafts}
+        return res.token_ids, {"drafted": res.drafted, "accepted": res.accepted, "num_drafts": res.num_drafts,
+                               "steps": res.num_steps}
 
     return run
 
@@ -187,10 +192,12 @@ def _time_method(row: Row, fn, prompts, max_new, dev, warmup_fn=None) -> Row:
             drafted += extra.get("drafted", 0)
             accepted += extra.get("accepted", 0)
             drafts += extra.get("num_drafts", 0)
+            row.steps += extra.get("steps", 0)
         row.prompts = len(prompts)
         if drafts:
             row.mean_acceptance_length = 1 + accepted / drafts
             row.acceptance_rate = accepted / drafted if drafted else 0.0
+            row.drafted_per_step = drafted / drafts
     except Exception as e:  # one failing method must not lose the others' figures
         row.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
     return row
@@ -208,6 +215,17 @@ def _agreement(row: Row, plain: Row) -> None:
         fracs.append(n / max(1, len(b)))
     row.identical_to_plain = same
     row.common_prefix_frac = sum(fracs) / len(fracs)
+
+
+def _step_cost(row: Row, plain: Row) -> None:
+    """What a speculative step costs in plain decoding steps, and c, the cost of one drafted token
+    (drafting it and verifying it) in plain steps: the draft/target cost ratio that sets the best k
+    (`specdec diagnose --cost-ratio`). From whole runs, prefill included in both, so a step's figure carries a
+    share of the prompt's cost; steps that drafted nothing count as steps."""
+    if row.error or plain.error or not (row.steps and plain.steps and row.drafted_per_step):
+        return
+    row.step_cost = (row.seconds / row.steps) / (plain.seconds / plain.steps)
+    row.cost_per_draft = (row.step_cost - 1) / row.drafted_per_step
 
 
 def run_bench(
@@ -287,6 +305,7 @@ def run_bench(
     for r in rows:
         if r is not plain:
             _agreement(r, plain)
+            _step_cost(r, plain)
     base = {r.method: r.tok_s for r in rows if not r.error}
     out = []
     for r in rows:
@@ -304,7 +323,7 @@ def _round_up(n: int, m: int) -> int:
 
 def format_table(result: dict) -> str:
     head = (f"{'method':<22}{'engine':<10}{'tok/s':>9}{'ms/tok':>9}{'vs HF':>8}{'vs plain':>9}"
-            f"{'accept len':>11}{'same':>7}")
+            f"{'accept len':>11}{'step cost':>10}{'c/draft':>8}{'same':>7}")
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         if r["error"]:
@@ -315,6 +334,7 @@ def format_table(result: dict) -> str:
         lines.append(
             f"{r['method']:<22}{r['engine']:<10}{r['tok_s']:>9.1f}{r['ms_per_token']:>9.2f}"
             f"{f(r['vs_hf_generate'], '.2f'):>8}{f(r['vs_specdec_plain'], '.2f'):>9}"
-            f"{f(r['mean_acceptance_length'], '.2f'):>11}{same:>7}"
+            f"{f(r['mean_acceptance_length'], '.2f'):>11}{f(r['step_cost'], '.2f'):>10}"
+            f"{f(r['cost_per_draft'], '.2f'):>8}{same:>7}"
         )
     return "\n".join(lines)

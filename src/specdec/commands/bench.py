@@ -14,8 +14,11 @@ Time the same chat prompts through: HF generate (greedy), HF prompt lookup
 specdec EAGLE-3 chains of k = 1..7 drafts and a dynamic tree. specdec rows use the fast path
 (static KV cache; Llama/Qwen2/Qwen3/Mistral targets) on a CUDA GPU, in CUDA graphs, and on a CPU
 for bf16 targets of 50M+ parameters, compiled by inductor (a C++ compiler needed); elsewhere, or
-with --reference, the reference engine. Ratios are taken within this run. Prints a table, then
-one JSON line (with --json, only the JSON line).
+with --reference, the reference engine. Ratios are taken within this run. Speculative rows also
+give their step cost (ms per target pass over plain decoding's) and c/draft, what one drafted
+token costs in plain steps: (step cost - 1) / drafted tokens per step, the draft/target cost ratio
+that `specdec diagnose --cost-ratio` and the best k read. Prints a table, then one JSON line (with
+--json, only the JSON line).
 
 examples:
   specdec bench --target tiny-llama --limit 2 --max-new-tokens 16        # seconds, any CPU

@@ -48,9 +48,9 @@ from .api import SamplingParams, StepOutput
 from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from .engine import SpeculativeEngine, truncate_at_stop
-from .layer_math import rms_norm, rotate_half
 from .gemv import (ROWS_MAX, folds, folds_glu, fused_one_token, gemv_linear, linear_add, pack, pack_layout,
                    rms_glu_linear, rms_linear)
+from .layer_math import rms_norm, rotate_half
 from . import decode_attention
 from . import gemv as gemv_kernels
 from .sampling import sample, target_probs
@@ -743,7 +743,6 @@ class FastEngine(SpeculativeEngine):
             finished = reason is not None
             yield StepOutput(token_ids=committed, drafted=n, accepted=len(path),
                              accepted_positions=positions_ok, finished=finished, finish_reason=reason)
-
 
     def _chain_steps(self, static: StaticChainDrafter, context: list[int], produced: int, max_new: int,
                      stops) -> Iterator[StepOutput]:

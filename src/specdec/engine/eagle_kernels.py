@@ -1,9 +1,9 @@
 """The EAGLE-3 drafter's layer on the fast path's Triton kernels, for greedy chains on a GPU.
 
 Compiled by inductor and captured in a CUDA graph, the drafter's layer still runs its products as
-cuBLAS matrix-vector calls and its attention over the whole preallocated cache under a mask: ~0.11
-ms per drafted token on an H200 for a SmolLM2-sized drafter, against ~0.027 ms for one of the
-target's own 30 layers on the kernels (BENCHMARKS.md). Here the layer is the target's layer
+cuBLAS GEMMs of one row and its attention over the whole preallocated cache under a mask: a round
+(commit 2, draft 5) of a SmolLM2-sized drafter cost 0.697 ms on an H200, 0.334 ms on these kernels
+(benchmarks/drafter_step.py, BENCHMARKS.md). Here the layer is the target's layer
 recipe (engine/fast.py) with the drafter's two inputs:
 
     x = [input_layernorm(embed(token)) | hidden_norm(hidden)]        2H wide, the q/k/v product's input

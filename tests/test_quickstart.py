@@ -33,9 +33,9 @@ def test_quickstart_runs_and_resumes(tmp_path):
     # predicts the measured speedup (at most the acceptance length: the cost is clipped at 0), so
     # the best can be no worse than that or than k = 0.
     best = line["best_k"]
-    assert 0 <= best["k"] <= 5 and best["cost_ratio"] >= 0
-    at_k5 = min(line["speedup"], line["mean_acceptance_length"])
-    assert best["predicted_speedup"] >= max(1.0, at_k5) - 1e-9
+    assert 0 <= best["k"] <= 5 and best["cost_ratio"] >= 0 and best["round_cost"] >= 0
+    assert best["predicted_speedup"] >= 1.0 - 1e-9  # k = 0 (plain decoding) is 1.0
+    assert {"1", "5"} <= set(best["measured"]) and best["measured"]["5"]["speedup"] == line["speedup"]
     # ...and then measured: at k = 5 the run's own speedup, at another k a run of its own, and
     # nothing at k = 0 (plain decoding is the baseline).
     if best["k"] == 5:
@@ -45,7 +45,7 @@ def test_quickstart_runs_and_resumes(tmp_path):
         assert f"k={best['k']}: measured speedup" in r.stderr
     else:
         assert "measured_speedup" not in best
-    assert best["serve_k"] in (0, best["k"], 5) and ("serve with" in r.stderr)
+    assert best["serve_k"] in (0, *map(int, best["measured"])) and ("serve with" in r.stderr)
     # Every sampled question is either evaluated or reported as skipped (longer than the context).
     assert line["questions"] >= 1 and line["questions"] + line["questions_skipped"] == 2
     assert ("exceed the context" in r.stderr) == (line["questions_skipped"] > 0)
@@ -76,41 +76,49 @@ def test_cpu_without_native_bf16_gets_smaller_defaults_unless_told():
     assert told["prompts"] == 500 and told["epochs"] == 2 and told["eval_prompts"] == CPU_FP32["eval_prompts"]
 
 
-def test_best_k_is_measured_where_the_prediction_picks_another_k():
-    """The quickstart predicts the best k from the k = 5 run's curve and cost, then measures that k
-    with a run of its own (on a subset of the prompts, against plain decoding on the same ones),
-    never the k it already has, and never k = 0 (plain decoding)."""
+def test_best_k_from_two_measured_chains_then_measured_itself():
+    """The quickstart measures a chain of 1 next to its chain of k = 5, fits a step's cost as
+    1 + f + j c plain steps from the two, predicts the best j from the k = 5 run's curve at that
+    cost, measures it where it is neither (on a subset of the prompts, against plain decoding on
+    the same ones), and serves the fastest measured, or nothing where none beat plain."""
     from specdec.commands.quickstart import best_k_measured
+    from specdec.diagnose.theory import speedup
 
     runs = []
+    rates = {}  # j -> (tok/s, acceptance length) a chain of j measures
 
-    def measure(k):
-        runs.append(k)
-        return {"tokens_per_s": 87.0, "mean_acceptance_length": 1.5, "per_prompt": [{"id": "a"}]}
+    def measure(j):
+        runs.append(j)
+        tok_s, al = rates.get(j, (87.0, 1.5))
+        return {"tokens_per_s": tok_s, "mean_acceptance_length": al, "per_prompt": [{"id": "a"}]}
 
-    # A drafter that gets only its first token right: k = 5 is slow, k = 1 predicted best. Plain
-    # decoding ran prompt "a" at 100 tok/s and "b" (longer) at 50.
-    weak = {"speedup": 0.8, "mean_acceptance_length": 1.55, "plain_tokens_per_s": 60.0,
-            "per_position_acceptance": [0.5, 0.03, 0.01, 0.005, 0.005],
-            "per_prompt": [{"id": "a", "plain_new_tokens": 100, "plain_seconds": 1.0},
-                           {"id": "b", "plain_new_tokens": 100, "plain_seconds": 2.0}]}
+    # Plain decoding ran prompt "a" at 100 tok/s and "b" (longer) at 50.
+    per_prompt = [{"id": "a", "plain_new_tokens": 100, "plain_seconds": 1.0},
+                  {"id": "b", "plain_new_tokens": 100, "plain_seconds": 2.0}]
+    # A drafter that gets only its first token right: k = 5 at 0.8x, k = 1 at 0.87x; the fit puts
+    # most of the cost in every step (f), so nothing is predicted to pay.
+    weak = {"speedup": 0.8, "mean_acceptance_length": 1.55, "per_prompt": per_prompt,
+            "per_position_acceptance": [0.5, 0.03, 0.01, 0.005, 0.005]}
     best = best_k_measured(weak, 5, measure)
-    assert runs == [1] and best["k"] == 1 and best["predicted_speedup"] > 1.0
-    assert best["measured_speedup"] == 0.87 and best["mean_acceptance_length"] == 1.5 and best["questions"] == 1
-    assert best["serve_k"] == 0  # neither k = 5 (0.8x) nor k = 1 (0.87x) beat plain decoding
-    weak["per_prompt"][0]["plain_seconds"] = 0.5  # plain at 200 tok/s on prompt "a": k = 1 loses more
-    assert best_k_measured(weak, 5, measure)["serve_k"] == 0
-    weak["per_prompt"][0]["plain_seconds"] = 2.0  # plain at 50 tok/s there: k = 1 measures 1.74x
-    assert best_k_measured(weak, 5, measure)["serve_k"] == 1
+    assert runs == [1] and best["k"] == 0 and best["predicted_speedup"] == 1.0 and best["serve_k"] == 0
+    assert best["measured"]["1"] == {"speedup": 0.87, "mean_acceptance_length": 1.5, "questions": 1}
+    assert best["measured"]["5"]["speedup"] == 0.8 and "measured_speedup" not in best
+    # The fit reproduces both measured chains: 1 + f + j c = tokens per step / speedup.
+    f, c = best["round_cost"], best["cost_ratio"]
+    assert f > 0.5 and c > 0
+    assert abs(speedup(1.5, 1, c, f) - 0.87) < 1e-9 and abs(speedup(1.55, 5, c, f) - 0.8) < 1e-9
     runs.clear()
-    # A strong drafter: k = 5 is the best; its measurement is the run's own.
-    strong = {"speedup": 3.0, "mean_acceptance_length": 5.25, "plain_tokens_per_s": 100.0,
-              "per_position_acceptance": [0.95, 0.9, 0.85, 0.8, 0.75]}
-    best = best_k_measured(strong, 5, measure)
-    assert runs == [] and best["k"] == 5 and best["measured_speedup"] == 3.0 and best["serve_k"] == 5
-    # Nothing pays: k = 0, nothing to measure.
-    hopeless = {"speedup": 0.3, "mean_acceptance_length": 1.05, "plain_tokens_per_s": 100.0,
-                "per_position_acceptance": [0.04, 0.01, 0.0, 0.0, 0.0]}
-    best = best_k_measured(hopeless, 5, measure)
-    assert runs == [] and best["k"] == 0 and "measured_speedup" not in best and best["serve_k"] == 0
+    per_prompt[0]["plain_seconds"] = 2.0  # plain at 50 tok/s on "a": k = 1 measures 1.74x
+    best = best_k_measured(weak, 5, measure)
+    assert runs == [1] and best["k"] == 1 and best["measured_speedup"] == 1.74 and best["serve_k"] == 1
+    runs.clear()
+    per_prompt[0]["plain_seconds"] = 1.0
+    # A better drafter: the fit predicts k = 3 (1.68x), which is then measured, and served.
+    good = {"speedup": 1.5, "mean_acceptance_length": 3.35, "per_prompt": per_prompt,
+            "per_position_acceptance": [0.9, 0.7, 0.5, 0.2, 0.05]}
+    rates.update({1: (130.0, 1.9), 3: (170.0, 3.0)})
+    best = best_k_measured(good, 5, measure)
+    assert runs == [1, 3] and best["k"] == 3 and 1.6 < best["predicted_speedup"] < 1.75
+    assert best["measured_speedup"] == 1.7 and best["questions"] == 1 and best["serve_k"] == 3
+    assert sorted(best["measured"]) == ["1", "3", "5"]
     assert best_k_measured({"speedup": None}, 5, measure) is None

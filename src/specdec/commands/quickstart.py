@@ -8,10 +8,11 @@ DESCRIPTION = """\
 The main job, end to end, on SmolLM2-135M-Instruct (no hub needed): fetch the model, let it
 answer ShareGPT prompts (self-distillation), capture its hidden states, train an EAGLE-3 drafter
 with training-time test, then measure it on MT-Bench against plain decoding and print a table
-(acceptance per position, mean acceptance length, tok/s without and with the drafter, speedup,
-the best k for this drafter predicted at the draft cost the run measured, then measured, and the
-k to serve with; then the same drafter drafting an EAGLE-2 dynamic tree; on a CPU these last two
-on the first half of the questions) ending with one JSON line. Every stage resumes: run the same
+(acceptance per position, mean acceptance length, tok/s without and with the drafter, speedup;
+a chain of 1 measured too, the step's cost fitted from the two (per drafted token and per step),
+the best k for this drafter predicted at that cost and measured, and the k to serve with; then the
+same drafter drafting an EAGLE-2 dynamic tree; on a CPU these last runs on the first half of the
+questions) ending with one JSON line. Every stage resumes: run the same
 command again after a crash.
 
 Defaults finish in 8 to 17 minutes on a 2-core CPU with native bf16 (AVX512-BF16 or AMX; about 16
@@ -191,11 +192,13 @@ def run(args) -> int:
     table.add_row("tok/s with drafter", f"{result['tokens_per_s']:.1f}")
     table.add_row("speedup", f"{result.get('speedup', 0):.2f}x")
     if best:
-        table.add_row(f"best k at the measured draft cost (c = {best['cost_ratio']:.2f}), predicted",
+        for j, m in best["measured"].items():
+            if int(j) != args.k:
+                table.add_row(f"k={j}: measured speedup (mean acceptance length), {m['questions']} questions",
+                              f"{m['speedup']:.2f}x ({m['mean_acceptance_length']:.2f})")
+        table.add_row(f"best k at the measured costs (c = {best['cost_ratio']:.2f} per draft, "
+                      f"{best['round_cost']:.2f} per step), predicted",
                       f"k={best['k']}: {best['predicted_speedup']:.2f}x" if best["k"] else "0: speculation off")
-        if best["k"] not in (0, args.k):
-            table.add_row(f"k={best['k']}: measured speedup (mean acceptance length), {best['questions']} questions",
-                          f"{best['measured_speedup']:.2f}x ({best['mean_acceptance_length']:.2f})")
         table.add_row("serve with (the fastest measured)",
                       f"k={best['serve_k']}" if best["serve_k"] else "no speculation: nothing beat plain decoding")
     if tree:
@@ -234,31 +237,40 @@ def plain_rate(result: dict, run: dict) -> float:
 
 
 def best_k_measured(result: dict, k: int, measure) -> dict | None:
-    """The k this drafter should be served with, from the chain run at `k` (`result`, with plain
-    decoding compared): predicted from its acceptance curve, truncated (a greedy chain's first j
-    drafts are the same whatever k), at the cost ratio the run measured; then measured, by
-    `measure(k) -> evaluate()'s summary` where the prediction picks another k > 0, against plain
-    decoding's time on the same prompts (`result`'s per-prompt rows, by id). The model charges
-    c per drafted token and nothing per round, so it flatters small k, where a round's fixed cost
-    (the drafter's commit step, the verify's extra token) weighs most: on an H200, k = 1 was
-    predicted at 1.17x and measured at 0.87x (BENCHMARKS.md)."""
-    from ..diagnose.theory import best_k, cost_ratio_from_speedup
+    """The k this drafter should be served with. `result` is the chain run at `k` with plain
+    decoding compared; `measure(j) -> evaluate()'s summary` runs a chain of j on some of the same
+    prompts, timed against plain decoding's time on those prompts (`result`'s per-prompt rows, by
+    id). A chain of 1 is always measured: with k's, it fits a step's cost as 1 + f + j c plain
+    steps (f whatever j, c per drafted token; theory.step_costs), and the best j then comes from
+    the k run's acceptance curve, truncated (a greedy chain's first j drafts are the same whatever
+    k), at that cost, and is measured too where it is neither. Charging c per draft alone from the
+    k run, as before, flattered small k on a GPU, where f is most of a step's extra cost: k = 2
+    was predicted at 1.33x and measured at 1.11x (BENCHMARKS.md)."""
+    from ..diagnose.theory import best_k, cost_ratio_from_speedup, step_costs
 
     if not result.get("speedup"):
         return None
-    c = cost_ratio_from_speedup(result["mean_acceptance_length"], k, result["speedup"])
-    point = best_k(result["per_position_acceptance"], c, k_max=k)
-    best = {"k": point.k, "predicted_speedup": point.speedup, "cost_ratio": c}
-    if point.k == k:
-        best["measured_speedup"] = result["speedup"]
-    elif point.k > 0:
-        r = measure(point.k)
-        best["measured_speedup"] = r["tokens_per_s"] / plain_rate(result, r)
-        best["mean_acceptance_length"] = r["mean_acceptance_length"]
-        best["questions"] = len(r["per_prompt"])
-    # What to serve with: the faster of the k's measured, or 0 (no speculation) where neither beat
+    runs = {k: (result["speedup"], result["mean_acceptance_length"], len(result.get("per_prompt", [])))}
+
+    def run(j):
+        r = measure(j)
+        runs[j] = (r["tokens_per_s"] / plain_rate(result, r), r["mean_acceptance_length"], len(r["per_prompt"]))
+
+    f, c = 0.0, cost_ratio_from_speedup(result["mean_acceptance_length"], k, result["speedup"])
+    if k > 1:
+        run(1)
+        (s1, e1, _), (sk, ek, _) = runs[1], runs[k]
+        f, c = step_costs(1, e1 / s1, k, ek / sk)
+    point = best_k(result["per_position_acceptance"], c, k_max=k, round_cost=f)
+    if point.k > 0 and point.k not in runs:
+        run(point.k)
+    best = {"k": point.k, "predicted_speedup": point.speedup, "cost_ratio": c, "round_cost": f,
+            "measured": {str(j): {"speedup": s, "mean_acceptance_length": e, "questions": n}
+                         for j, (s, e, n) in sorted(runs.items())}}
+    if point.k > 0:
+        best["measured_speedup"], best["mean_acceptance_length"], best["questions"] = runs[point.k]
+    # What to serve with: the fastest of the k's measured, or 0 (no speculation) where none beat
     # plain decoding.
-    measured = {k: result["speedup"], point.k: best.get("measured_speedup", 0.0)}
-    fastest = max(measured, key=measured.get)
-    best["serve_k"] = fastest if measured[fastest] > 1.0 else 0
+    fastest = max(runs, key=lambda j: runs[j][0])
+    best["serve_k"] = fastest if runs[fastest][0] > 1.0 else 0
     return best

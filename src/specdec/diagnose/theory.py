@@ -97,9 +97,22 @@ def expected_tokens_from_curve(curve: Sequence[float], k: int) -> float:
     return 1.0 + sum(extend_curve(curve, k))
 
 
-def speedup(expected_tokens: float, k: int, cost_ratio: float) -> float:
-    """S = E / (1 + k*c): tokens per pass over the cost of one pass plus k draft steps."""
-    return expected_tokens / (1.0 + k * cost_ratio)
+def speedup(expected_tokens: float, k: int, cost_ratio: float, round_cost: float = 0.0) -> float:
+    """S = E / (1 + f + k*c): tokens per pass over the cost of one pass, k draft steps and, with
+    `round_cost` f, what a speculative step costs whatever k (see `step_costs`)."""
+    return expected_tokens / (1.0 + round_cost + k * cost_ratio)
+
+
+def step_costs(k1: int, cost1: float, k2: int, cost2: float) -> tuple[float, float]:
+    """(f, c) of a step costing 1 + f + k c plain steps, from two chains' measured step costs
+    (tokens per step / speedup, in plain steps) at k1 < k2: c from the slope, f what is left at k1,
+    both at least 0. A fixed f is what a speculative step pays whatever k (the drafter's commit, the
+    verify's extra token, launches, the host's read): on an H200 with a 135M target it was most of
+    the step's extra cost (k = 1: 1.50, k = 5: 1.73 plain steps, BENCHMARKS.md)."""
+    if not 1 <= k1 < k2:
+        raise ValueError(f"expected 1 <= k1 < k2, got k1={k1}, k2={k2}")
+    c = max(0.0, (cost2 - cost1) / (k2 - k1))
+    return max(0.0, cost1 - 1.0 - c * k1), c
 
 
 def cost_ratio_from_speedup(expected_tokens: float, k: int, measured_speedup: float) -> float:
@@ -117,21 +130,23 @@ def break_even_cost_ratio(expected_tokens: float, k: int) -> float | None:
     return (expected_tokens - 1.0) / k
 
 
-def speedup_by_k(curve: Sequence[float], cost_ratio: float, k_max: int = DEFAULT_K_MAX) -> list[KPoint]:
+def speedup_by_k(curve: Sequence[float], cost_ratio: float, k_max: int = DEFAULT_K_MAX,
+                 round_cost: float = 0.0) -> list[KPoint]:
     """Predicted speedup for k = 1..k_max with the (extrapolated) measured curve."""
     full = extend_curve(curve, k_max)
     points = []
     e = 1.0
     for k in range(1, k_max + 1):
         e += full[k - 1]
-        points.append(KPoint(k=k, expected_tokens=e, speedup=speedup(e, k, cost_ratio)))
+        points.append(KPoint(k=k, expected_tokens=e, speedup=speedup(e, k, cost_ratio, round_cost)))
     return points
 
 
-def best_k(curve: Sequence[float], cost_ratio: float, k_max: int = DEFAULT_K_MAX) -> KPoint:
+def best_k(curve: Sequence[float], cost_ratio: float, k_max: int = DEFAULT_K_MAX,
+           round_cost: float = 0.0) -> KPoint:
     """The k with the highest predicted speedup; k=0 (speculation off, S=1) when none beats it."""
     best = KPoint(k=0, expected_tokens=1.0, speedup=1.0)
-    for point in speedup_by_k(curve, cost_ratio, k_max):
+    for point in speedup_by_k(curve, cost_ratio, k_max, round_cost):
         if point.speedup > best.speedup + 1e-12:
             best = point
     return best

@@ -256,11 +256,12 @@ def best_k_measured(result: dict, k: int, measure) -> dict | None:
         r = measure(j)
         runs[j] = (r["tokens_per_s"] / plain_rate(result, r), r["mean_acceptance_length"], len(r["per_prompt"]))
 
-    f, c = 0.0, cost_ratio_from_speedup(result["mean_acceptance_length"], k, result["speedup"])
     if k > 1:
         run(1)
         (s1, e1, _), (sk, ek, _) = runs[1], runs[k]
         f, c = step_costs(1, e1 / s1, k, ek / sk)
+    else:  # one chain: all its extra cost per drafted token
+        f, c = 0.0, cost_ratio_from_speedup(result["mean_acceptance_length"], k, result["speedup"])
     point = best_k(result["per_position_acceptance"], c, k_max=k, round_cost=f)
     if point.k > 0 and point.k not in runs:
         run(point.k)

@@ -158,10 +158,14 @@ def real_e2e(dev, res, out, names, target_path: str, drafter_path: str, prompts:
     for name in names:
         if name == "plain":
             continue
+        if name == "plain-host":  # the host builds each step's input from the argmax it read
+            engines[name] = FastEngine(target, max_len=2048, decoder=plain.fast, steps_on_device=False,
+                                       require_cuda=not cpu)
+            continue
         parts = name.split("-")  # eagle3-k3-kernels, eagle3-k3-kernels-host
         k, kind, host = int(parts[1][1:]), parts[2], parts[-1] == "host"
         engines[name] = FastEngine(target, max_len=2048, decoder=plain.fast, drafter=drafter, k=k,
-                                   drafter_kernels=kind == "kernels" and not cpu, chain_on_device=not host,
+                                   drafter_kernels=kind == "kernels" and not cpu, steps_on_device=not host,
                                    require_cuda=not cpu)
     rows = {}
     for name, e in engines.items():
@@ -188,6 +192,24 @@ def real_e2e(dev, res, out, names, target_path: str, drafter_path: str, prompts:
                   f"{acc_len:.2f} tokens per step", flush=True)
             res["real_e2e"] = rows
             (out / "h200_drafter_step_real.json").write_text(json.dumps(res, indent=1))
+    if cpu:
+        return
+    for name, e in engines.items():
+        # GPU time per step (the kernels' time, from the profiler) against the wall time: what
+        # the host still adds between the kernels.
+        from torch.profiler import ProfilerActivity, profile
+
+        try:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                r = e.generate(ids[0], params)
+                torch.cuda.synchronize()
+            gpu_ms = sum(ev.self_device_time_total for ev in prof.key_averages()) / 1e3 / r.num_steps
+        except Exception as err:  # a profiler that cannot see graph replays: the row goes without
+            print(f"real {name}: no GPU time ({type(err).__name__}: {err})", flush=True)
+            continue
+        rows[name]["gpu_ms_per_step"] = gpu_ms
+        print(f"real {name:18s} GPU time {gpu_ms:6.3f} ms per step (one prompt, profiled)", flush=True)
+    (out / "h200_drafter_step_real.json").write_text(json.dumps(res, indent=1))
 
 
 def e2e(dev, res, out, names=E2E_ROWS) -> None:
@@ -214,15 +236,16 @@ def e2e(dev, res, out, names=E2E_ROWS) -> None:
     plain = FastEngine(target, max_len=512, require_cuda=False)
     rows = {}
     tree = TreeConfig(depth=6, top_k=8, total_tokens=48)
-    variants = {"plain": {}, "eagle3-k5-eager": {"drafter": drafter, "k": 5, "static_drafter": False},
+    variants = {"plain": {}, "plain-host": {"steps_on_device": False},
+                "eagle3-k5-eager": {"drafter": drafter, "k": 5, "static_drafter": False},
                 "eagle3-k5-static": {"drafter": drafter, "k": 5, "static_drafter": True, "drafter_kernels": False},
                 "eagle3-k3-static": {"drafter": drafter, "k": 3, "static_drafter": True, "drafter_kernels": False},
                 "eagle3-k5-kernels": {"drafter": drafter, "k": 5, "drafter_kernels": True},
                 "eagle3-k3-kernels": {"drafter": drafter, "k": 3, "drafter_kernels": True},
                 "eagle3-k3-kernels-host": {"drafter": drafter, "k": 3, "drafter_kernels": True,
-                                           "chain_on_device": False},
+                                           "steps_on_device": False},
                 "eagle3-k5-kernels-host": {"drafter": drafter, "k": 5, "drafter_kernels": True,
-                                           "chain_on_device": False},
+                                           "steps_on_device": False},
                 "eagle3-tree-eager": {"drafter": drafter, "tree": tree, "static_drafter": False},
                 "eagle3-tree-static": {"drafter": drafter, "tree": tree, "static_drafter": True}}
     for name in ("plain", *[n for n in names if n != "plain"]):
@@ -253,7 +276,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--e2e", action="store_true", help="also time FastEngine steps on a random SmolLM2-shaped target")
     ap.add_argument("--e2e-rows", default=",".join(E2E_ROWS),
-                    help="engine rows for --e2e (plain always runs first): plain, eagle3-k5-eager, "
+                    help="engine rows for --e2e (plain always runs first): plain, plain-host (the host builds each "
+                         "step's input from the argmax it read), eagle3-k5-eager, "
                          "eagle3-k5-static, eagle3-k3-static, eagle3-k5-kernels, eagle3-k3-kernels (the drafter's "
                          "layer on the Triton kernels), eagle3-k3-kernels-host, eagle3-k5-kernels-host (the "
                          "host reads the drafts, then the argmax), eagle3-tree-eager, eagle3-tree-static")

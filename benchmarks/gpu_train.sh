@@ -52,6 +52,11 @@
 #                                    # (.devdata/dr); the chain steps on the device: tests on CUDA, random weights
 #   bash benchmarks/gpu_train.sh dr2 # (after dk2) the second halves; chains with the drafts on the device against the
 #                                    # host reading them, real weights, one process
+#   bash benchmarks/gpu_train.sh pp  # stage the first GGUF half and the first drafter half (.devdata/dr); plain and
+#                                    # chain steps advanced on the device, read one step behind: tests on CUDA,
+#                                    # random weights against the host building each step
+#   bash benchmarks/gpu_train.sh pr  # (after pp) the second halves; the same on real weights, k = 1..5, GPU time per
+#                                    # step from the profiler
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
 #
@@ -220,6 +225,24 @@ case "$1" in
       --drafter /root/drafter-home --prompts 5 --max-new-tokens 256 --out "$OUT" --e2e-rows \
       plain,eagle3-k3-kernels-host,eagle3-k5-kernels-host,eagle3-k1-kernels,eagle3-k2-kernels,eagle3-k3-kernels,eagle3-k4-kernels,eagle3-k5-kernels \
       2>&1 | grep -v Warning | tee "$OUT/drafter_step_real_device.log"
+    ;;
+  pp)
+    stage_first_half
+    cp .devdata/dr/drafter.tar.aa /root/m/
+    timeout 150 python3 -m pytest -q tests/test_fast_engine.py tests/test_eagle_graph.py -k "cuda or device or chain_steps" \
+      2>&1 | tail -3
+    timeout 240 python3 benchmarks/drafter_step.py --e2e-only --e2e-rows \
+      plain,plain-host,eagle3-k3-kernels-host,eagle3-k3-kernels,eagle3-k5-kernels --out "$OUT" 2>&1 \
+      | grep "^e2e\|Error" | tee "$OUT/drafter_step_pipelined.log"
+    ;;
+  pr)
+    assemble_smollm2
+    cat /root/m/drafter.tar.aa .devdata/dr/drafter.tar.ab > /root/drafter.tar && sha256sum /root/drafter.tar \
+      && tar -C /root -xf /root/drafter.tar
+    timeout "${DR_S:-420}" python3 benchmarks/drafter_step.py --target smollm2-135m-instruct \
+      --drafter /root/drafter-home --prompts 5 --max-new-tokens 256 --out "$OUT" --e2e-rows \
+      plain,plain-host,eagle3-k3-kernels-host,eagle3-k1-kernels,eagle3-k2-kernels,eagle3-k3-kernels,eagle3-k4-kernels,eagle3-k5-kernels \
+      2>&1 | grep -v Warning | tee "$OUT/drafter_step_real_pipelined.log"
     ;;
   dr)
     if ! grep -q mean_acceptance_length "$OUT/quickstart_j.jsonl" /root/qs-gpu/quickstart_k.jsonl 2>/dev/null; then

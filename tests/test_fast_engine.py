@@ -152,6 +152,12 @@ def test_cuda_graph_greedy_matches_reference_fp32(tiny_dirs):
     ref = SpeculativeEngine(target).generate(prompt, GREEDY).token_ids
     eng = FastEngine(target, ngram=3, k=4, max_len=128, prefill_chunk=8)
     assert eng.generate(prompt, GREEDY).token_ids == ref
+    # Plain and chain steps on the device (CUDA events, pinned reads, a step queued past the end).
+    stop = SamplingParams(max_new_tokens=24, stop_token_ids=(ref[6],), ignore_eos=True)
+    for kw in ({}, {"drafter": random_drafter(target).cuda(), "k": 3}):
+        eng = FastEngine(target, max_len=128, prefill_chunk=8, **kw)
+        assert eng.generate(prompt, stop).token_ids == ref[: ref.index(ref[6]) + 1]
+        assert eng.generate(prompt, GREEDY).token_ids == ref
 
 
 @pytest.mark.skipif(cpu_compiler() is None, reason="inductor's CPU backend needs a C++ compiler")
@@ -205,3 +211,41 @@ def test_make_engine_cpu_fast_path_choice(tiny_targets, monkeypatch):
         assert type(make_engine(bf16, ngram=3, max_len=64)) is SpeculativeEngine
     with pytest.raises(RuntimeError, match="no cpp compiler"):
         make_engine(bf16, fast=True, max_len=64)
+
+
+@pytest.mark.parametrize("k", (0, 3))
+def test_device_steps_queue_ahead_and_end_exactly(tiny_targets, k):
+    """Greedy plain (k = 0) and chain steps advance their input on the device and queue step n + 1
+    before the host reads step n: the output still equals the reference at every length and at a
+    stop token, and a step queued past the end leaves nothing behind for the next request."""
+    target = tiny_targets["llama"]
+    kw = {} if k == 0 else {"drafter": random_drafter(target), "k": k}
+    engine = _fast(target, **kw)
+    prompt, other = _prompt(), _prompt(9, seed=5)
+    ref = SpeculativeEngine(target).generate(prompt, GREEDY).token_ids
+    verifies = []
+    run = engine.fast.run
+
+    def counted(b, capture=False):
+        verifies.append(b.T == k + 1)
+        run(b, capture)
+
+    engine.fast.run = counted
+    events = []
+    for step in engine.generate_iter(prompt, GREEDY):
+        events.append((sum(verifies), len(step.token_ids)))
+    assert [t for out in engine.generate_iter(prompt, GREEDY) for t in out.token_ids] == ref
+    # Before the host saw step n (the first output is the prefill's), step n + 1 was queued,
+    # except where step n could reach max_new_tokens.
+    produced = events[0][1]
+    for n, (runs, got) in enumerate(events[1:]):
+        if produced + k + 1 < GREEDY.max_new_tokens:
+            assert runs == n + 2
+        produced += got
+    for max_new in (1, 2, k + 1, k + 2, 2 * k + 3):
+        params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+        assert engine.generate(prompt, params).token_ids == ref[:max_new]
+    stop = ref[4]
+    got = engine.generate(prompt, SamplingParams(max_new_tokens=24, stop_token_ids=(stop,), ignore_eos=True))
+    assert got.token_ids == ref[: ref.index(stop) + 1] and got.finish_reason == "stop"
+    assert engine.generate(other, GREEDY).token_ids == SpeculativeEngine(target).generate(other, GREEDY).token_ids

@@ -30,6 +30,7 @@ Examples:
 
 from __future__ import annotations
 
+import itertools
 import math
 import shutil
 import time
@@ -611,7 +612,7 @@ class FastEngine(SpeculativeEngine):
         static_drafter: bool = True,
         pack_weights: bool | None = None,
         drafter_kernels: bool | None = None,
-        chain_on_device: bool = True,
+        steps_on_device: bool = True,
     ):
         """`decoder`: reuse another FastEngine's decoder (same target): its weights, cache and
         captured buckets are shared, so only new bucket sizes compile. `static_drafter`: greedy
@@ -622,9 +623,10 @@ class FastEngine(SpeculativeEngine):
         compiles on a CPU too, as `make_engine`'s CPU fast path does). `pack_weights`: a packed
         second copy of the large products' weights for the kernels (`FastDecoder.optimize`'s `pack`;
         None: gemv.PACK_WEIGHTS, off). `drafter_kernels`: a static chain drafter's layer on the
-        Triton kernels (eagle_kernels.py; None: on a GPU where they apply). `chain_on_device`: such a
-        drafter's chain steps keep drafts and acceptance on the device (`_chain_steps`, one host
-        read per step); False: the host reads the drafts, then the argmax (two reads)."""
+        Triton kernels (eagle_kernels.py; None: on a GPU where they apply). `steps_on_device`: greedy
+        plain steps and such a drafter's chain steps compute their next input on the device and the
+        host reads a step while the next runs (`_device_steps`); False: the host builds every
+        step's input from what it read (for chains two reads, the drafts then the argmax)."""
         if require_cuda and target.device.type != "cuda":
             raise SpecdecError(
                 f"the fast path needs a CUDA GPU; the target is on {target.device}; use the "
@@ -642,7 +644,7 @@ class FastEngine(SpeculativeEngine):
         on_cuda = target.device.type == "cuda"
         compile = on_cuda if compile is None else compile
         self.static = None
-        self.chain_on_device = chain_on_device
+        self.steps_on_device = steps_on_device
         if isinstance(self.proposer, Eagle3Proposer) and static_drafter:
             kw = dict(max_len=self.max_len, cuda_graphs=on_cuda and cuda_graphs, compile=compile and on_cuda)
             self.static = (StaticChainDrafter(self.proposer.drafter, k=k, kernels=drafter_kernels, **kw)
@@ -702,8 +704,9 @@ class FastEngine(SpeculativeEngine):
         finished = last in stops or produced >= params.max_new_tokens
         yield StepOutput(token_ids=[last], finished=finished,
                          finish_reason=("stop" if last in stops else "length") if finished else None)
-        if isinstance(static, StaticChainDrafter) and self.chain_on_device and not finished:
-            yield from self._chain_steps(static, context, produced, params.max_new_tokens, stops)
+        on_device = isinstance(static, StaticChainDrafter) or (greedy and self.proposer is None)
+        if on_device and self.steps_on_device and not finished:
+            yield from self._device_steps(static, context, produced, params.max_new_tokens, stops)
             return
         while not finished:
             P = len(context) - 1  # tokens in the cache; context[-1] is not yet in it
@@ -744,46 +747,71 @@ class FastEngine(SpeculativeEngine):
             yield StepOutput(token_ids=committed, drafted=n, accepted=len(path),
                              accepted_positions=positions_ok, finished=finished, finish_reason=reason)
 
-    def _chain_steps(self, static: StaticChainDrafter, context: list[int], produced: int, max_new: int,
-                     stops) -> Iterator[StepOutput]:
-        """Greedy EAGLE-3 chain steps with the drafting on the device: per step the host stages the
-        verify step's positions, the drafts are copied into its input on the device, the verify
-        runs, and the next round (commit what it accepted, draft k more) is queued behind it
-        before the host reads the drafts and the target's argmax, its one read of the step. So
-        the GPU drafts the next round while the host walks this one."""
-        k, T = self.k, self.k + 1
+    def _device_steps(self, static: StaticChainDrafter | None, context: list[int], produced: int, max_new: int,
+                      stops) -> Iterator[StepOutput]:
+        """Greedy steps whose next input the device computes, plain (`static` None) or EAGLE-3
+        chains: after a verify the drafter commits what the target accepted (counted on the device)
+        and drafts the next round, and the staging buffer advances on the device (slot and
+        positions by the committed count, the target's own token at the front, the new drafts
+        behind it). The host only reads each step's drafts and argmax (one pinned copy per step),
+        and reads step n while step n + 1 runs: it queues a step before walking the previous one
+        wherever that one cannot end the request by length, so the GPU does not wait for the
+        host's bookkeeping between steps."""
+        k = 0 if static is None else self.k
+        T, capture = k + 1, static is not None
         cuda = self.target.device.type == "cuda"
-        causal = _causal(T)
         chain = list(range(-1, k - 1))
-        host = torch.empty(2 * k + 1, dtype=torch.long, pin_memory=cuda)  # drafts, then the argmax
-        read = torch.cuda.Event() if cuda else None
-        static.draft()  # the first round, from the prompt begin() committed
-        finished = False
-        while not finished:
-            P = len(context) - 1
-            b = self.fast.stage([context[-1]] + [0] * k, list(range(P, P + T)), P, causal, T, capture=True)
-            b.staging[2 : 1 + T].copy_(static.drafts)  # ids[1:], behind the staged copy
-            self.fast.run(b, capture=True)
-            host[:k].copy_(static.drafts, non_blocking=cuda)
-            host[k:].copy_(b.top[:T], non_blocking=cuda)
+        P = len(context) - 1
+        b = self.fast.stage([context[-1]] + [0] * k, list(range(P, P + T)), P, _causal(T), T, capture=capture)
+        st = b.staging
+        one = torch.ones((), dtype=torch.long, device=st.device)
+        # Two pinned read buffers, drafts then argmax: step n's is read while step n + 1 is queued.
+        hosts = [torch.empty(k + T, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        ready = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        if static is not None:
+            static.draft()  # the first round, from the prompt begin() committed
+
+        def queue(n: int) -> None:
+            if static is not None:
+                st[2 : 1 + T].copy_(static.drafts)  # ids[1:]
+            self.fast.run(b, capture=capture)
+            h = hosts[n % 2]
+            if static is not None:
+                h[:k].copy_(static.drafts, non_blocking=cuda)
+            h[k:].copy_(b.top[:T], non_blocking=cuda)
             if cuda:
-                read.record()
-            static.attach(b.top, b.aux)
-            static.commit_verified()
-            static.draft()  # the next round, queued behind the read
+                ready[n % 2].record()
+            if static is not None:
+                static.attach(b.top, b.aux)
+                static.commit_verified()  # in_n = accepted + 1
+                static.draft()
+            n_new = one if static is None else static.in_n
+            st[1:2].copy_(b.top.index_select(0, n_new.view(1) - 1))  # the target's own token
+            st[0:1].add_(n_new)  # slot0
+            st[1 + T : 1 + 2 * T].add_(n_new)  # rope positions
+
+        queue(0)
+        queued = 1
+        for n in itertools.count():
+            if queued == n + 1 and produced + T < max_new:  # step n cannot end the request by length
+                queue(queued)
+                queued += 1
             if cuda:
-                read.synchronize()
-            values = host.tolist()
-            draft = Draft(tokens=values[:k], parents=chain)
-            path, bonus = _greedy_walk(draft, values[k:])
-            new_tokens = draft.tokens[: len(path)] + [bonus]
+                ready[n % 2].synchronize()
+            values = hosts[n % 2].tolist()
+            path, bonus = _greedy_walk(Draft(tokens=values[:k], parents=chain), values[k:])
+            new_tokens = values[: len(path)] + [bonus]
             committed, reason = truncate_at_stop(new_tokens, stops, produced, max_new)
             produced += len(committed)
             context.extend(committed)
-            finished = reason is not None
             yield StepOutput(token_ids=committed, drafted=k, accepted=len(path),
-                             accepted_positions=[i < len(path) for i in range(k)], finished=finished,
+                             accepted_positions=[i < len(path) for i in range(k)], finished=reason is not None,
                              finish_reason=reason)
+            if reason is not None:
+                return  # a step queued past the end is left to run; begin() and prefill reset the state
+            if queued == n + 1:
+                queue(queued)
+                queued += 1
 
 
 def prefer_coordinate_descent(model, threshold_bytes: int = 2 << 30) -> bool:

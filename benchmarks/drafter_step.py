@@ -212,7 +212,42 @@ def real_e2e(dev, res, out, names, target_path: str, drafter_path: str, prompts:
     (out / "h200_drafter_step_real.json").write_text(json.dumps(res, indent=1))
 
 
-def e2e(dev, res, out, names=E2E_ROWS) -> None:
+def step_profile(e, prompt, params, name: str, out: Path) -> dict:
+    """One profiled generate: per step, the kernels launched, the time the GPU was busy (the union
+    of kernel intervals) and the span from the first kernel to the last; the busiest kernels go to
+    `out`/h200_step_profile.txt. Busy < span per step is time the GPU waited (host, launches)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        r = e.generate(prompt, params)
+        torch.cuda.synchronize()
+    trace = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = [ev for ev in json.loads(trace.read_text())["traceEvents"]
+              if ev.get("cat") == "kernel" and "dur" in ev]
+    spans = sorted((float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])) for ev in events)
+    busy, end = 0.0, None
+    for a, b in spans:
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    steps = r.num_steps
+    row = {"kernels_per_step": len(spans) / steps, "gpu_busy_ms_per_step": busy / 1e3 / steps,
+           "gpu_span_ms_per_step": (spans[-1][1] - spans[0][0]) / 1e3 / steps if spans else 0.0}
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25)
+    with open(out / "h200_step_profile.txt", "a") as f:
+        f.write(f"== {name}: {json.dumps(row)}\n{table}\n")
+    print(f"profile {name:18s} {row['kernels_per_step']:6.1f} kernels, GPU busy {row['gpu_busy_ms_per_step']:.3f} "
+          f"of {row['gpu_span_ms_per_step']:.3f} ms per step", flush=True)
+    return row
+
+
+def e2e(dev, res, out, names=E2E_ROWS, profile_steps: bool = False) -> None:
     import tempfile
 
     from transformers import AutoModelForCausalLM
@@ -242,6 +277,7 @@ def e2e(dev, res, out, names=E2E_ROWS) -> None:
                 "eagle3-k3-static": {"drafter": drafter, "k": 3, "static_drafter": True, "drafter_kernels": False},
                 "eagle3-k5-kernels": {"drafter": drafter, "k": 5, "drafter_kernels": True},
                 "eagle3-k3-kernels": {"drafter": drafter, "k": 3, "drafter_kernels": True},
+                "eagle3-k1-kernels": {"drafter": drafter, "k": 1, "drafter_kernels": True},
                 "eagle3-k3-kernels-host": {"drafter": drafter, "k": 3, "drafter_kernels": True,
                                            "steps_on_device": False},
                 "eagle3-k5-kernels-host": {"drafter": drafter, "k": 5, "drafter_kernels": True,
@@ -265,6 +301,8 @@ def e2e(dev, res, out, names=E2E_ROWS) -> None:
                       "warmup_s": warm, "token_ids_head": r.token_ids[:8]}
         print(f"e2e {name:18s} {rows[name]['ms_per_step']:7.3f} ms per step ({r.num_steps} steps, "
               f"warm-up {warm:.1f} s)", flush=True)
+        if profile_steps and dev.type == "cuda":
+            rows[name]["profile"] = step_profile(e, prompt, params, name, out)
         res["e2e"] = rows
         (out / "h200_drafter_step.json").write_text(json.dumps(res, indent=1))
 
@@ -282,6 +320,8 @@ def main() -> int:
                          "layer on the Triton kernels), eagle3-k3-kernels-host, eagle3-k5-kernels-host (the "
                          "host reads the drafts, then the argmax), eagle3-tree-eager, eagle3-tree-static")
     ap.add_argument("--e2e-only", action="store_true", help="only the engine rows (--e2e-rows), random weights")
+    ap.add_argument("--profile-steps", action="store_true",
+                    help="with --e2e-only: profile each row once more (kernels per step, GPU busy against span)")
     ap.add_argument("--target", help="with --drafter: the e2e rows on this real target (MT-Bench first turns)")
     ap.add_argument("--drafter", help="a trained drafter folder for --target")
     ap.add_argument("--prompts", type=int, default=5, help="MT-Bench first turns for --target (default: 5)")
@@ -309,7 +349,7 @@ def main() -> int:
     if args.e2e_only:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        e2e(dev, res, out, args.e2e_rows.split(","))
+        e2e(dev, res, out, args.e2e_rows.split(","), profile_steps=args.profile_steps)
         return 0
     if args.target:
         out = Path(args.out)
@@ -324,7 +364,7 @@ def main() -> int:
             res["tree"] = tree_rounds(d, dev, args.rounds)
             (out / "h200_drafter_step_tree.json").write_text(json.dumps(res, indent=1))
         if args.e2e:
-            e2e(dev, res, out, args.e2e_rows.split(","))
+            e2e(dev, res, out, args.e2e_rows.split(","), profile_steps=args.profile_steps)
         return 0
     def via(fn):
         return lambda q, k, v, mask: fn(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -377,7 +417,7 @@ def main() -> int:
         (out / "h200_drafter_step_static_profile.txt").write_text("\n".join(tables))
     if args.e2e:
         try:
-            e2e(dev, res, out, args.e2e_rows.split(","))
+            e2e(dev, res, out, args.e2e_rows.split(","), profile_steps=args.profile_steps)
         except Exception as e:  # keep what was measured
             res["e2e_error"] = repr(e)
             print("e2e failed:", repr(e), flush=True)

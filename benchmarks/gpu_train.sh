@@ -57,6 +57,8 @@
 #                                    # random weights against the host building each step
 #   bash benchmarks/gpu_train.sh pr  # (after pp) the second halves; the same on real weights, k = 1..5, GPU time per
 #                                    # step from the profiler
+#   bash benchmarks/gpu_train.sh sp  # where a plain and a chain step's time goes (profiler: kernels, GPU busy against
+#                                    # span per step), random weights
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
 #
@@ -243,6 +245,12 @@ case "$1" in
       --drafter /root/drafter-home --prompts 5 --max-new-tokens 256 --out "$OUT" --e2e-rows \
       plain,plain-host,eagle3-k3-kernels-host,eagle3-k1-kernels,eagle3-k2-kernels,eagle3-k3-kernels,eagle3-k4-kernels,eagle3-k5-kernels \
       2>&1 | grep -v Warning | tee "$OUT/drafter_step_real_pipelined.log"
+    ;;
+  sp)
+    # No weights to stage: where a step's time goes, random SmolLM2-shaped target and drafter.
+    timeout 400 python3 benchmarks/drafter_step.py --e2e-only --profile-steps --e2e-rows \
+      plain,plain-host,eagle3-k1-kernels,eagle3-k3-kernels --out "$OUT" 2>&1 \
+      | grep "^e2e\|^profile\|Error" | tee "$OUT/drafter_step_profile_steps.log"
     ;;
   dr)
     if ! grep -q mean_acceptance_length "$OUT/quickstart_j.jsonl" /root/qs-gpu/quickstart_k.jsonl 2>/dev/null; then

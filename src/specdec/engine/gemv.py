@@ -186,49 +186,45 @@ if triton is not None:
     def _few_kernel(W, X, Y, G, R, N, T, eps, K: tl.constexpr, TP: tl.constexpr, NORM: tl.constexpr,
                     RESIDUAL: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # `_gemv_kernel` over T <= TP tokens: each [BLOCK_N, BLOCK_K] weight tile is loaded once and
-        # multiplied by every token's slice of x on the CUDA cores, accumulated elementwise and
-        # reduced once at the end as the GEMV does, in fp32 (no rounding of x * g for the tensor
-        # cores), so a token's output is computed as one token's is.
+        # multiplied by every token's slice of x on the CUDA cores, in fp32 like the GEMV (no
+        # rounding of x * g for the tensor cores), so a token's output is computed as one token's is.
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         t = tl.arange(0, TP)
-        acc = tl.zeros((BLOCK_N, TP, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, TP, BLOCK_K), dtype=tl.float32)
-        squares = tl.zeros((TP, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, TP), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, TP), dtype=tl.float32)
+        squares = tl.zeros((TP,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             keep = cols < K
             x = tl.load(X + t[:, None] * K + cols[None, :], mask=(t[:, None] < T) & keep[None, :],
                         other=0.0).to(tl.float32)  # shape: [TP, BLOCK_K]
             if NORM:
-                squares += x * x
+                squares += tl.sum(x * x, axis=1)
                 x = x * tl.load(G + cols, mask=keep, other=0.0).to(tl.float32)[None, :]
             tile = rows[:, None] * K + cols[None, :]
             inside = (rows[:, None] < N) & keep[None, :]
             w = tl.load(W + tile, mask=inside, other=0.0).to(tl.float32)
-            acc += w[:, None, :] * x[None, :, :]
+            acc += tl.sum(w[:, None, :] * x[None, :, :], axis=2)
             if GLU:  # W is [gate; up], 2N rows, as in `_gemv_kernel`
                 u = tl.load(W + N * K + tile, mask=inside, other=0.0).to(tl.float32)
-                acc_up += u[:, None, :] * x[None, :, :]
-        y = tl.sum(acc, axis=2)  # shape: [BLOCK_N, TP]
-        if GLU:
-            up = tl.sum(acc_up, axis=2)
+                acc_up += tl.sum(u[:, None, :] * x[None, :, :], axis=2)
         if NORM:
-            inv = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[None, :]
-            y = y * inv
+            inv = tl.rsqrt(squares / K + eps)[None, :]
+            acc = acc * inv
             if GLU:
-                up = up * inv
+                acc_up = acc_up * inv
         if GLU:
-            y = y * tl.sigmoid(y) * up
+            acc = acc * tl.sigmoid(acc) * acc_up
         out = t[None, :] * N + rows[:, None]
         inside = (t[None, :] < T) & (rows[:, None] < N)
         if RESIDUAL:
-            y += tl.load(R + out, mask=inside, other=0.0).to(tl.float32)
-        tl.store(Y + out, y.to(Y.dtype.element_ty), mask=inside)
+            acc += tl.load(R + out, mask=inside, other=0.0).to(tl.float32)
+        tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=inside)
 
-    # A program holds BLOCK_N x TP x BLOCK_K partial sums (two sets with GLU): at most 1,024 x TP.
+    # A program's tile is BLOCK_N x TP x BLOCK_K products in registers: kept to 8K values or fewer.
     _few_tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=1)
-                 for bn in (1, 2, 4) for bk in (128, 256, 512) for w in (4, 8) if bn * bk <= 1024],
+                 for bn in (1, 2, 4) for bk in (128, 256) for w in (2, 4)],
         key=["N", "K", "TP", "NORM", "GLU"],
     )(_few_kernel)
 

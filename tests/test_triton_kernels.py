@@ -49,15 +49,10 @@ def test_gemv_variants_match_torch(n, k):
     _close(gemv.gemv_rms_glu(x, g, wgu, 1e-5)[0], want, want.abs().max())
 
 
-@pytest.mark.parametrize("few", [True, False])  # _few_kernel, or the rows kernel for every size
 @pytest.mark.parametrize("t,n,k", [(2, 40, 96), (5, 259, 64), (16, 33, 200)])  # off the block sizes
-def test_rows_kernel_matches_torch(t, n, k, few, monkeypatch):
-    """Steps of 2..ROWS_MAX tokens: the same ops over T rows run `_few_kernel` (up to
-    FEW_ROWS_MAX rows of a small weight, SiLU * up folded too) or the rows kernel."""
-    if not few:
-        monkeypatch.setattr(gemv, "FEW_ROWS_MAX", 0)
+def test_rows_kernel_matches_torch(t, n, k):
+    """Steps of 2..ROWS_MAX tokens: the same ops over T rows run the rows kernel."""
     x, w, b = _randn(t, k, seed=6), _randn(n, k, seed=7), _randn(n, seed=8)
-    assert gemv.few_fits(t, w) == (few and t <= 8)
     want = x.float() @ w.float().T
     _close(gemv.gemv(x, w), want, want.abs().max())
     r, g = _randn(t, n, seed=9), _randn(k, seed=4).abs() + 0.5
@@ -70,12 +65,6 @@ def test_rows_kernel_matches_torch(t, n, k, few, monkeypatch):
     assert gemv.few_rows(x, w)
     want = want + b.float()
     _close(gemv.gemv_linear(x.view(1, t, k), w, b)[0], want, want.abs().max())
-    wgu = _randn(2 * n, k, seed=5)  # [gate; up]
-    assert gemv.folds_glu(x, wgu) == gemv.few_fits(t, wgu)
-    if gemv.folds_glu(x, wgu):
-        gate, up = (normed @ wgu.float().T).chunk(2, dim=-1)
-        want = F.silu(gate) * up
-        _close(gemv.rms_glu_linear(x, g, 1e-5, wgu), want, want.abs().max())
 
 
 def _rotate_half(x):
@@ -154,14 +143,12 @@ def test_split_argmax_matches_argmax():
     assert split_argmax(logits, chunks=64).tolist() == logits.argmax(-1).tolist() == [logits[0].argmax(), 517, 999]
 
 
-@pytest.mark.parametrize("arch,few", [("llama", True), ("qwen2", True), ("llama", False)])  # qwen2: a q/k/v bias
-def test_steps_through_the_kernels_match_hf(tiny_targets, arch, few, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a q/k/v bias after the fused product
+def test_steps_through_the_kernels_match_hf(tiny_targets, arch, monkeypatch):
     """Decode steps of one token run every fused kernel: norms, residual adds and SiLU * up folded
     into the products, attention in decode_attention; a prefill of 8 tokens and a verify step of 3
-    run the attention kernels and `_few_kernel` (SiLU * up folded too), or the rows kernel. Steps in
-    a row, so a key or value cached in the wrong slot shows in the next step."""
-    if not few:
-        monkeypatch.setattr(gemv, "FEW_ROWS_MAX", 0)
+    run the attention kernels and the rows kernel. Steps in a row, so a key or value cached in the
+    wrong slot shows in the next step."""
     model = copy.deepcopy(tiny_targets[arch].model).to(DEV, torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # norm weights of their own (a fresh model's are all ones)
@@ -192,16 +179,13 @@ def test_steps_through_the_kernels_match_hf(tiny_targets, arch, few, monkeypatch
             assert (g - w).norm() <= 0.03 * w.norm()
 
     check(fused.step(ids[:8], list(range(8)), 0, _causal(8), 8).logits, ref[:8])
-    # Per step of several rows: q/k/v, o, gate/up (unless SiLU * up is in its store) and down in
-    # every layer, then the lm head.
-    glu = layers if few else 0
-    products = layers * (3 if few else 4) + 1
-    assert calls == {"attention": layers, "glu": glu, "rows": products}  # 8 rows: attention kernels
+    products = layers * 4 + 1  # q/k/v, o, gate/up and down in every layer, then the lm head
+    assert calls == {"attention": layers, "glu": 0, "rows": products}  # 8 rows: attention kernels, rows kernel
     for t in range(8, 12):
         check(fused.step([ids[t]], [t], t, _causal(1), 1).logits, ref[t : t + 1])
-        assert calls == {"attention": layers * (t - 6), "glu": glu + layers * (t - 7), "rows": products}
+        assert calls == {"attention": layers * (t - 6), "glu": layers * (t - 7), "rows": products}
     check(fused.step(ids[12:15], [12, 13, 14], 12, _causal(3), 3).logits, ref[12:15])  # a verify step
-    assert calls == {"attention": layers * 6, "glu": 2 * glu + layers * 4, "rows": 2 * products}
+    assert calls == {"attention": layers * 6, "glu": layers * 4, "rows": 2 * products}
     # A tree of 5 (TREE) after the 15 tokens: against the decoder without the kernels (the compiled
     # attention's additive mask), filled with the same 15 tokens.
     plain = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=False)

@@ -92,7 +92,7 @@ class KernelLayer:
         self.kv[:, :, pos] = torch.stack((k, v.view(T, nkv, hd))).transpose(1, 2)
         att = decode_attention.decode_attention(qkv, cos, sin, self.kv, pos, tm, nh, hd**-0.5)  # ropes q
         h = _add_linear(residual, att, self.wo)
-        if gemv.folds_glu(h, self.wgu):
+        if gemv.fused_one_token(h, self.wgu) and gemv.folds_glu(self.wgu):
             act = gemv.rms_glu_linear(h, self.ln2, eps, self.wgu)
         else:
             gate, up = _norm_linear(h, self.ln2, eps, self.wgu).chunk(2, dim=-1)

@@ -49,7 +49,7 @@ from .api import SamplingParams, StepOutput
 from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from .engine import SpeculativeEngine, truncate_at_stop
-from .gemv import (ROWS_MAX, folds, folds_glu, gemv_linear, linear_add, pack, pack_layout,
+from .gemv import (ROWS_MAX, folds, folds_glu, fused_one_token, gemv_linear, linear_add, pack, pack_layout,
                    rms_glu_linear, rms_linear)
 from .layer_math import rms_norm, rotate_half
 from . import decode_attention
@@ -166,7 +166,7 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
     def layer(x, ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd, kv, cos, sin, slots, mask, tm):
         qkv = norm_linear(x, ln1, wqkv, bqkv)  # shape: [T, (nh + 2 nkv) hd]
         x = add_linear(x, attention(qkv, qn, kn, kv, cos, sin, slots, mask, tm), wo, bo)
-        if gemv and bgu is None and folds_glu(x, wgu):
+        if gemv and bgu is None and fused_one_token(x, wgu) and folds_glu(wgu):
             act = rms_glu_linear(x, ln2, eps, wgu)
         else:
             gate, up = norm_linear(x, ln2, wgu, bgu).chunk(2, dim=-1)

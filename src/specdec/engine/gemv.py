@@ -64,14 +64,6 @@ GLU_FOLD_MAX_BYTES = 32 << 20
 # Steps of 2..ROWS_MAX tokens (verification) run their products through the rows kernel instead
 # of cuBLAS; benchmarks/roofline_8b.py's rows=N steps set it (0: cuBLAS for every step of > 1 token).
 ROWS_MAX = 16
-# Steps of 2..FEW_ROWS_MAX tokens over weights smaller than FEW_ROWS_MAX_BYTES run `_few_kernel`
-# instead: the GEMV's CUDA-core loop with each weight tile multiplied by every token's slice, so a
-# verify step's small products cost about what the one-token step's do. On an H200 (BENCHMARKS.md,
-# "The verify step's small products") SmolLM2's rows-kernel products took 5.2 us each against 3.2
-# for the GEMV, 0.25 ms of a 4-token verify step; the tensor cores' 16-row tiles pay off only where
-# a weight is large enough to be streamed at full bandwidth (Llama-3.1-8B's are 32 MB and more).
-FEW_ROWS_MAX = 8
-FEW_ROWS_MAX_BYTES = 32 << 20
 # Whether those steps also fold RMSNorm and the residual add into the rows kernel (`gemv_rms` /
 # `gemv_add` over T rows) rather than leaving them to one compiled kernel per norm. Folded, each program
 # renormalises its slice of x (the products slow by ~6% on 8B shapes) but ~3 kernels per layer go:
@@ -182,52 +174,6 @@ if triton is not None:
             acc += tl.load(R + out, mask=inside, other=0.0).to(tl.float32)
         tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=inside)
 
-    @triton.jit
-    def _few_kernel(W, X, Y, G, R, N, T, eps, K: tl.constexpr, TP: tl.constexpr, NORM: tl.constexpr,
-                    RESIDUAL: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # `_gemv_kernel` over T <= TP tokens: each [BLOCK_N, BLOCK_K] weight tile is loaded once and
-        # multiplied by every token's slice of x on the CUDA cores, in fp32 like the GEMV (no
-        # rounding of x * g for the tensor cores), so a token's output is computed as one token's is.
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        t = tl.arange(0, TP)
-        acc = tl.zeros((BLOCK_N, TP), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, TP), dtype=tl.float32)
-        squares = tl.zeros((TP,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            keep = cols < K
-            x = tl.load(X + t[:, None] * K + cols[None, :], mask=(t[:, None] < T) & keep[None, :],
-                        other=0.0).to(tl.float32)  # shape: [TP, BLOCK_K]
-            if NORM:
-                squares += tl.sum(x * x, axis=1)
-                x = x * tl.load(G + cols, mask=keep, other=0.0).to(tl.float32)[None, :]
-            tile = rows[:, None] * K + cols[None, :]
-            inside = (rows[:, None] < N) & keep[None, :]
-            w = tl.load(W + tile, mask=inside, other=0.0).to(tl.float32)
-            acc += tl.sum(w[:, None, :] * x[None, :, :], axis=2)
-            if GLU:  # W is [gate; up], 2N rows, as in `_gemv_kernel`
-                u = tl.load(W + N * K + tile, mask=inside, other=0.0).to(tl.float32)
-                acc_up += tl.sum(u[:, None, :] * x[None, :, :], axis=2)
-        if NORM:
-            inv = tl.rsqrt(squares / K + eps)[None, :]
-            acc = acc * inv
-            if GLU:
-                acc_up = acc_up * inv
-        if GLU:
-            acc = acc * tl.sigmoid(acc) * acc_up
-        out = t[None, :] * N + rows[:, None]
-        inside = (t[None, :] < T) & (rows[:, None] < N)
-        if RESIDUAL:
-            acc += tl.load(R + out, mask=inside, other=0.0).to(tl.float32)
-        tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=inside)
-
-    # A program's tile is BLOCK_N x TP x BLOCK_K products in registers: kept to 8K values or fewer.
-    _few_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=1)
-                 for bn in (1, 2, 4) for bk in (128, 256) for w in (2, 4)],
-        key=["N", "K", "TP", "NORM", "GLU"],
-    )(_few_kernel)
-
     def _rows_config(bn: int, bk: int, stages: int, warps: int = 4):
         return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
 
@@ -304,9 +250,6 @@ if triton is not None:
             tuned = _gemv_packed_tuned if packed else _gemv_tuned
             plain, args = _gemv_kernel, (w, x, y, g, r, n, eps, k)
             flags = dict(NORM=norm, RESIDUAL=residual, GLU=glu, **layout)
-        elif few_fits(t, w):
-            tuned, plain, args = _few_tuned, _few_kernel, (w, x, y, g, r, n, t, eps, k)
-            flags = dict(TP=triton.next_power_of_2(t), NORM=norm, RESIDUAL=residual, GLU=glu)
         elif packed:  # the packed rows kernel's blocks are the layout's own
             args = (w, x, y, g, r, n, t, eps, k)
             flags = dict(TP=16, NORM=norm, RESIDUAL=residual, UPCAST=not x.is_cuda, **layout)
@@ -320,7 +263,7 @@ if triton is not None:
         if x.is_cuda:
             wrap_triton(tuned)[grid](*args, **flags)
         else:
-            wrap_triton(plain)[grid](*args, **flags, BLOCK_N=4 if plain is _few_kernel else 16, BLOCK_K=64)
+            wrap_triton(plain)[grid](*args, **flags, BLOCK_N=16, BLOCK_K=64)
         return y
 
     # Each op takes x as T contiguous rows of K ([K] or [T, K]) and returns [T, N].
@@ -341,8 +284,7 @@ if triton is not None:
 
     @triton_op("specdec::gemv_rms_glu", mutates_args={})
     def gemv_rms_glu(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """`silu(a) * b` for [a | b] = `rms_norm(x, g) @ w.T`, w = [gate; up] of 2N rows; one row, or
-        up to FEW_ROWS_MAX where `few_fits`."""
+        """`silu(a) * b` for [a | b] = `rms_norm(x, g) @ w.T`, w = [gate; up] of 2N rows; one row."""
         return _launch(x, w, g, x, eps, True, False, glu=True)
 
 
@@ -393,12 +335,6 @@ def fused_one_token(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _takes(x, weight) and x.numel() == x.shape[-1]
 
 
-def few_fits(t: int, weight: torch.Tensor) -> bool:
-    """Whether a product of `t` > 1 rows runs `_few_kernel` (see FEW_ROWS_MAX) rather than the rows
-    kernel: few rows, a row-major weight under FEW_ROWS_MAX_BYTES."""
-    return 1 < t <= FEW_ROWS_MAX and weight.dim() == 2 and weight.numel() * weight.element_size() < FEW_ROWS_MAX_BYTES
-
-
 def few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the rows kernel applies: 2..ROWS_MAX bf16/fp16 rows where Triton runs, a contiguous
     weight of their dtype."""
@@ -435,15 +371,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def folds_glu(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether SiLU * up goes into the store of this gate/up product (see GLU_FOLD_MAX_BYTES): one
-    row (the GEMV) or a few (`_few_kernel`)."""
-    if not (weight.dim() == 2 and weight.numel() * weight.element_size() <= GLU_FOLD_MAX_BYTES):
-        return False
-    return fused_one_token(x, weight) or (few_rows(x, weight) and few_fits(x.numel() // x.shape[-1], weight))
+def folds_glu(weight: torch.Tensor) -> bool:
+    """Whether SiLU * up goes into the store of this gate/up product (see GLU_FOLD_MAX_BYTES)."""
+    return weight.dim() == 2 and weight.numel() * weight.element_size() <= GLU_FOLD_MAX_BYTES
 
 
 def rms_glu_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for [gate | up] = `F.linear(rms_norm(x, g, eps), weight)` in one kernel, for
-    weight = [gate; up] (call only where `folds_glu`)."""
+    weight = [gate; up] (call only where `fused_one_token`)."""
     return gemv_rms_glu(_rows(x), g, weight, eps).view(*x.shape[:-1], out_features(weight) // 2)

@@ -68,7 +68,8 @@ def main() -> int:
     result = {"prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens, "k": args.k,
               "dtype": str(target.dtype), "simulated": sim,
               "measured": {k: measured[k] for k in ("mean_acceptance_length", "per_position_acceptance")}}
-    print(f"simulated on these prompts: acceptance length {sim['simulated_acceptance_length_k5']:.2f}, "
+    print(f"simulated on these prompts: acceptance length {sim['simulated_acceptance_length_k5']:.2f} over "
+          f"every position, {sim['walked_acceptance_length_k5']:.2f} as the engine steps; "
           f"chain {sim['chain_acceptance']}")
     print(f"measured by the engine:     acceptance length {measured['mean_acceptance_length']:.2f}, "
           f"per position {[round(x, 4) for x in measured['per_position_acceptance']]}")

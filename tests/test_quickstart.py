@@ -46,6 +46,9 @@ def test_quickstart_runs_and_resumes(tmp_path):
     else:
         assert "measured_speedup" not in best
     assert best["serve_k"] in (0, *map(int, best["measured"])) and ("serve with" in r.stderr)
+    # Training's held-out figure as the engine would step through those answers, beside it.
+    assert 1.0 <= line["heldout"]["walked_acceptance_length_k5"] <= 6.0
+    assert "held-out training answers" in r.stderr
     # Every sampled question is either evaluated or reported as skipped (longer than the context).
     assert line["questions"] >= 1 and line["questions"] + line["questions_skipped"] == 2
     assert ("exceed the context" in r.stderr) == (line["questions_skipped"] > 0)

@@ -210,3 +210,51 @@ def test_init_layer_auto_leaves_an_mla_target_s_drafter_untouched(tiny_targets):
     said = start_layer(drafter, target, "auto")
     assert said.startswith("random (") and "does not fit" in said
     assert all(torch.equal(v, before[k]) for k, v in drafter.state_dict().items())
+
+
+def test_walk_over_the_engine_s_own_text_measures_what_the_engine_measured(tiny_targets):
+    """`walk_acceptance` over the text the engine generated, teacher-forced through TTT, gives the
+    engine's own steps and accepted drafts; the per-position average over the same text does not
+    (it counts the inside of long accepted runs as often as the positions after a miss)."""
+    from collections import Counter
+
+    from specdec.engine.engine import SpeculativeEngine
+    from specdec.train.ttt import Batch, TargetHead, ttt_loss, walk_acceptance
+
+    target = tiny_targets["llama"]
+    k = 4
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    # A prompt the tiny target answers with runs of one token among others.
+    prompt = torch.randint(3, target.vocab_size, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    text = SpeculativeEngine(target).generate(prompt, params).token_ids
+    # A drafter that always drafts the text's commonest token x: every logit 0, so draft index 0, x.
+    x = Counter(text).most_common(1)[0][0]
+    size = min(128, target.vocab_size - x)
+    drafter = Eagle3Drafter(DrafterConfig.for_target(target.config, draft_vocab_size=size,
+                                                     aux_layer_ids=target.aux_layer_ids))
+    with torch.no_grad():
+        drafter.lm_head.weight.zero_()
+    drafter.set_vocab_mapping(torch.arange(x, x + size))
+    drafter.eval()
+    steps = [s for s in SpeculativeEngine(target, drafter=drafter, k=k).generate_iter(prompt, params) if s.drafted]
+    assert [t for s in SpeculativeEngine(target, drafter=drafter, k=k).generate_iter(prompt, params)
+            for t in s.token_ids] == text
+    accepted = [min(s.accepted, len(s.token_ids) - 1) for s in steps]  # the last step is cut at max_new_tokens
+    assert len(set(accepted)) >= 3  # runs of x of several lengths, and misses
+
+    ids = torch.tensor(prompt + text)
+    with torch.no_grad():
+        out = target.forward(ids[None], capture=True)
+    mask = torch.zeros(len(ids), dtype=torch.uint8)
+    mask[len(prompt):] = 1  # the generated tokens are the assistant's
+    sample = {"input_ids": ids.int(), "loss_mask": mask, "aux_hidden": out.aux_hidden[0],
+              "last_hidden": out.last_hidden[0]}
+    with torch.no_grad():
+        res = ttt_loss(drafter, Batch.collate([sample], "cpu"), TargetHead.from_target(target), steps=k)
+    tokens, walked = walk_acceptance(res.depth, res.starts, k)
+    assert walked == len(steps) and tokens == len(text) - 1 == sum(accepted) + len(steps)
+    per_position = 1 + float(res.correct.sum() / res.counted)
+    assert abs(per_position - tokens / walked) > 0.05
+    # Chains of 2 walked over the same unroll (k = 5 is read off training's 7 steps this way).
+    short = [s for s in SpeculativeEngine(target, drafter=drafter, k=2).generate_iter(prompt, params) if s.drafted]
+    assert walk_acceptance(res.depth, res.starts, 2)[1] == len(short) > len(steps)

@@ -27,7 +27,7 @@ from ..errors import SpecdecError
 from ..models.drafter import DrafterConfig, Eagle3Drafter
 from ..precision import compute_dtype, dtype_name
 from .data import batches_at, global_batches, is_heldout
-from .ttt import Batch, TargetArgmaxCache, TargetHead, ttt_loss
+from .ttt import Batch, TargetArgmaxCache, TargetHead, ttt_loss, walk_acceptance
 from .vocab import build_draft_vocab, count_tokens, coverage
 
 
@@ -72,10 +72,16 @@ class DrafterTTT(nn.Module):
         self.head = head  # not a parameter or buffer: frozen, never synchronised
         self.steps, self.decay, self.feature_weight = steps, decay, feature_weight
 
-    def forward(self, input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax=None):
+    def forward(self, input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax=None, walk=False):
+        """(loss, correct, step_correct, counted), and with `walk` the engine's walk over the batch
+        at k = steps and k = 5 as tokens [2] and steps [2] (`walk_acceptance`)."""
         out = ttt_loss(self.drafter, Batch(input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax),
                        self.head, steps=self.steps, decay=self.decay, feature_weight=self.feature_weight)
-        return out.loss, out.correct, out.step_correct, out.counted
+        if not walk:
+            return out.loss, out.correct, out.step_correct, out.counted
+        walks = [walk_acceptance(out.depth, out.starts, k) for k in (self.steps, 5)]
+        return (out.loss, out.correct, out.step_correct, out.counted,
+                torch.tensor([w[0] for w in walks]), torch.tensor([w[1] for w in walks]))
 
 
 def dist_env() -> tuple[int, int]:
@@ -263,23 +269,30 @@ def evaluate_heldout(module: DrafterTTT, source, indices, batch_tokens, device, 
     module.eval()
     correct = step_correct = None
     counted = 0.0
+    walked = torch.zeros(2, 2, dtype=torch.long)  # (tokens, steps) at k = steps and k = 5
     for batch in global_batches(indices, source.lengths, batch_tokens, seed=0, epoch=0):
         with autocast():
-            _, c, sc, n = module(*_to(source.get(batch), device, dtype))
+            _, c, sc, n, tokens, steps = module(*_to(source.get(batch), device, dtype), walk=True)
         correct = c if correct is None else correct + c
         step_correct = sc if step_correct is None else step_correct + sc
         counted += float(n)
+        walked += torch.stack([tokens.cpu(), steps.cpu()], 1)
     module.train()
     if not counted:
         return {}
-    chain = (correct / counted).tolist()  # P(steps 0..s all right)
-    return {
+    chain = (correct / counted).tolist()  # P(steps 0..s all right), over every position
+    out = {
         "eval_positions": int(counted),
         "per_position_accuracy": [round(x, 4) for x in (step_correct / counted).tolist()],
         "chain_acceptance": [round(x, 4) for x in chain],
         "simulated_acceptance_length": 1 + sum(chain),
         "simulated_acceptance_length_k5": 1 + sum(chain[:5]),
     }
+    if walked[0, 1]:
+        # What the engine would measure on this text (tokens per step, walk_acceptance).
+        out["walked_acceptance_length"] = float(walked[0, 0] / walked[0, 1])
+        out["walked_acceptance_length_k5"] = float(walked[1, 0] / walked[1, 1])
+    return out
 
 
 def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: bool = False,
@@ -389,11 +402,14 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
                         bar.console.print(
                             f"[eval step {step}] simulated acceptance length "
                             f"{last_eval.get('simulated_acceptance_length', 0):.2f} "
-                            f"(k=5: {last_eval.get('simulated_acceptance_length_k5', 0):.2f}), per-position accuracy "
+                            f"(k=5: {last_eval.get('simulated_acceptance_length_k5', 0):.2f}; as the engine "
+                            f"steps: {last_eval.get('walked_acceptance_length_k5', 0):.2f}), per-position accuracy "
                             f"{last_eval.get('per_position_accuracy')}")
                         if tb is not None:
                             tb.add_scalar("eval/simulated_acceptance_length",
                                           last_eval.get("simulated_acceptance_length", 0), step)
+                            tb.add_scalar("eval/walked_acceptance_length_k5",
+                                          last_eval.get("walked_acceptance_length_k5", 0), step)
                             for i, a in enumerate(last_eval.get("per_position_accuracy", [])):
                                 tb.add_scalar(f"eval/accuracy_pos{i}", a, step)
                 if rank == 0 and (step % cfg.save_every == 0 or step == total):

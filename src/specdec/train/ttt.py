@@ -147,6 +147,8 @@ class TTTOutput:
     correct: torch.Tensor  # [steps] count of positions whose steps 0..s were all right
     step_correct: torch.Tensor  # [steps] count right at step s (teacher-forced)
     counted: torch.Tensor  # [] positions scored (step 0)
+    depth: torch.Tensor | None = None  # [B, L] drafts a chain from t would get accepted (steps 0.. all right)
+    starts: torch.Tensor | None = None  # [B, L] a step may draft from t (the token at t + 2 is scored)
 
 
 def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: int = 7,
@@ -170,6 +172,8 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
     loss = torch.zeros((), device=dev)
     correct, step_correct = [], []
     counted = torch.zeros((), device=dev)
+    depth = torch.zeros(B, L, dtype=torch.long, device=dev)
+    base = torch.zeros_like(eligible)
     if feature_weight > 0:
         want = head.normed(batch.last_hidden)  # shape: [B, L, H]; scored where `needed`, as the CE
     for s, (logits, out) in enumerate(ttt_unroll_states(raw, batch.input_ids, batch.aux_hidden, steps)):
@@ -197,7 +201,6 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
         with torch.no_grad():
             right = (logits.argmax(-1) == tgt.argmax(-1)) & m
             if s == 0:
-                base = torch.zeros_like(eligible)
                 base[:, :n] = eligible[:, 2 : 2 + n]
                 counted = base.sum().float()
                 alive = right.clone()
@@ -206,7 +209,32 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
                 alive = alive & right
             correct.append((alive & base).sum().float())
             step_correct.append(right.sum().float())
-    return TTTOutput(loss, torch.stack(correct), torch.stack(step_correct), counted)
+            depth += alive & base
+    return TTTOutput(loss, torch.stack(correct), torch.stack(step_correct), counted, depth, base)
+
+
+def walk_acceptance(depth: torch.Tensor, starts: torch.Tensor, k: int) -> tuple[int, int]:
+    """(tokens, steps) of the engine's walk over teacher-forced text with chains of k: in each run
+    of assistant tokens the first comes from the target's own pass over the prompt, then each step
+    drafts from where the last one ended, commits its accepted drafts and the target's token, and
+    the next starts after them. The per-position figures (`chain_acceptance`) average over every
+    position; the engine meets a position after a miss more often than one inside a long accepted
+    run, so where acceptance varies along the text their mean overstates what it measures, and
+    tokens / steps here is what it measures on this text."""
+    tokens = steps = 0
+    for d, can in zip(depth.tolist(), starts.tolist()):
+        t, L = 0, len(can)
+        while t < L:
+            if not can[t]:
+                t += 1
+                continue
+            t += 1  # the run's first token: the target's, from the prompt
+            while t < L and can[t]:
+                a = min(d[t], k)
+                steps += 1
+                tokens += a + 1
+                t += a + 1
+    return tokens, steps
 
 
 def ttt_unroll(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int):

@@ -446,6 +446,10 @@ class FastDecoder:
         for T in buckets:
             self._buffers(T, capture)
 
+    def buffers(self, T: int, capture: bool = False) -> StepBuffers | None:
+        """The buffers of bucket T if it has been built (warmed up or run), else None."""
+        return self._bufs.get((T, capture))
+
     # -- one step ------------------------------------------------------------------------
     def _run(self, staging: torch.Tensor, capture: bool):
         x, cos, sin, slots, mask, tm = self._prep(staging, self.embed, self.cos, self.sin)
@@ -670,7 +674,7 @@ class FastEngine(SpeculativeEngine):
         self.fast.warmup(sorted(set(self.buckets) | {self.prefill_chunk}), capture)
         if self.static is not None:
             self.static.warm()
-        b = self.fast._bufs.get((self.k + 1, capture))
+        b = self.fast.buffers(self.k + 1, capture)
         if isinstance(self.static, StaticChainDrafter) and b is not None and b.graph is not None:
             self.static.attach(b.top, b.aux)  # and its commit of a verify step's outputs, captured
             self.static.commit_verified()

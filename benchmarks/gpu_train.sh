@@ -103,6 +103,16 @@ save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t
   tar -C /root -cf /root/drafter.tar drafter-home && split -b 15M /root/drafter.tar "$OUT/drafter.tar.part."
   sha256sum /root/drafter.tar | tee "$OUT/drafter.tar.sha256"
 }
+# The second halves of SmolLM2 and of the drafter brought home by dr (.devdata/dr) join their first
+# halves (staged by dk2 or pp); then drafter_step.py's rows on them, 5 MT-Bench first turns.
+#   real_rows SECONDS LOG ROWS
+real_rows() {
+  assemble_smollm2
+  cat /root/m/drafter.tar.aa .devdata/dr/drafter.tar.ab > /root/drafter.tar && sha256sum /root/drafter.tar \
+    && tar -C /root -xf /root/drafter.tar
+  timeout "$1" python3 benchmarks/drafter_step.py --target smollm2-135m-instruct --drafter /root/drafter-home \
+    --prompts 5 --max-new-tokens 256 --out "$OUT" --e2e-rows "$3" 2>&1 | grep -v Warning | tee "$OUT/$2"
+}
 # `specdec serve --target MODEL ARGS...` in the background until it is ready, N chat completions,
 # its /metrics kept and read by `specdec diagnose`, then stopped.
 #   serve_check NAME MODEL CONTENT MAX_TOKENS N ARGS...
@@ -220,13 +230,8 @@ case "$1" in
       plain,eagle3-k3-kernels-host,eagle3-k3-kernels --out "$OUT" 2>&1 | grep "^e2e\|Error" | tee "$OUT/drafter_step_device.log"
     ;;
   dr2)
-    assemble_smollm2
-    cat /root/m/drafter.tar.aa .devdata/dr/drafter.tar.ab > /root/drafter.tar && sha256sum /root/drafter.tar \
-      && tar -C /root -xf /root/drafter.tar
-    timeout "${DR_S:-360}" python3 benchmarks/drafter_step.py --target smollm2-135m-instruct \
-      --drafter /root/drafter-home --prompts 5 --max-new-tokens 256 --out "$OUT" --e2e-rows \
-      plain,eagle3-k3-kernels-host,eagle3-k5-kernels-host,eagle3-k1-kernels,eagle3-k2-kernels,eagle3-k3-kernels,eagle3-k4-kernels,eagle3-k5-kernels \
-      2>&1 | grep -v Warning | tee "$OUT/drafter_step_real_device.log"
+    real_rows "${DR_S:-360}" drafter_step_real_device.log \
+      plain,eagle3-k3-kernels-host,eagle3-k5-kernels-host,eagle3-k1-kernels,eagle3-k2-kernels,eagle3-k3-kernels,eagle3-k4-kernels,eagle3-k5-kernels
     ;;
   pp)
     stage_first_half
@@ -238,13 +243,8 @@ case "$1" in
       | grep "^e2e\|Error" | tee "$OUT/drafter_step_pipelined.log"
     ;;
   pr)
-    assemble_smollm2
-    cat /root/m/drafter.tar.aa .devdata/dr/drafter.tar.ab > /root/drafter.tar && sha256sum /root/drafter.tar \
-      && tar -C /root -xf /root/drafter.tar
-    timeout "${DR_S:-420}" python3 benchmarks/drafter_step.py --target smollm2-135m-instruct \
-      --drafter /root/drafter-home --prompts 5 --max-new-tokens 256 --out "$OUT" --e2e-rows \
-      plain,plain-host,eagle3-k3-kernels-host,eagle3-k1-kernels,eagle3-k2-kernels,eagle3-k3-kernels,eagle3-k4-kernels,eagle3-k5-kernels \
-      2>&1 | grep -v Warning | tee "$OUT/drafter_step_real_pipelined.log"
+    real_rows "${DR_S:-420}" drafter_step_real_pipelined.log \
+      plain,plain-host,eagle3-k3-kernels-host,eagle3-k1-kernels,eagle3-k2-kernels,eagle3-k3-kernels,eagle3-k4-kernels,eagle3-k5-kernels
     ;;
   sp)
     # No weights to stage: where a step's time goes, random SmolLM2-shaped target and drafter.

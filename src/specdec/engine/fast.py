@@ -7,7 +7,9 @@ them, so no memory is duplicated and the HF model keeps working); one compiled f
 decoder layer, one the embedding/rope/mask preparation and one the final norm + lm_head + argmax;
 the whole step is then captured with `torch.cuda.CUDAGraph`. A step reads its inputs from one
 int64 staging buffer (one host-to-device copy) and the host reads back only the argmax tokens
-(the accepted length follows from them), or the logits when sampling.
+(the accepted length follows from them), or the logits when sampling. Greedy plain and EAGLE-3
+chain steps go further (`FastEngine._device_steps`): the device writes the next step's staging
+itself and the host reads each step while the next one runs.
 
 Layout of a step of T tokens (T is a captured bucket; shorter drafts are padded):
     staging = [slot0, ids[T], rope_pos[T], tree_mask[T*T]]
@@ -649,6 +651,7 @@ class FastEngine(SpeculativeEngine):
         compile = on_cuda if compile is None else compile
         self.static = None
         self.steps_on_device = steps_on_device
+        self._reads = None  # _device_steps' pinned read buffers and their events
         if isinstance(self.proposer, Eagle3Proposer) and static_drafter:
             kw = dict(max_len=self.max_len, cuda_graphs=on_cuda and cuda_graphs, compile=compile and on_cuda)
             self.static = (StaticChainDrafter(self.proposer.drafter, k=k, kernels=drafter_kernels, **kw)
@@ -770,8 +773,11 @@ class FastEngine(SpeculativeEngine):
         st = b.staging
         one = torch.ones((), dtype=torch.long, device=st.device)
         # Two pinned read buffers, drafts then argmax: step n's is read while step n + 1 is queued.
-        hosts = [torch.empty(k + T, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
-        ready = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        # Kept across requests (pinning memory costs more than a step).
+        if self._reads is None or self._reads[0][0].numel() != k + T:
+            self._reads = ([torch.empty(k + T, dtype=torch.long, pin_memory=cuda) for _ in range(2)],
+                           [torch.cuda.Event() if cuda else None for _ in range(2)])
+        hosts, ready = self._reads
         if static is not None:
             static.draft()  # the first round, from the prompt begin() committed
 

@@ -81,7 +81,7 @@ def test_eval_ngram_json_matches_engine(prompts_file, tiny_dirs, tiny_targets, c
     assert curve_of(blocks[0][1]) == (pp, "measured")
 
 
-def test_evaluate_with_drafter_compare_plain_is_lossless(prompts_file, tiny_targets):
+def test_evaluate_with_drafter_compare_plain_is_lossless(prompts_file, tiny_targets, monkeypatch):
     from specdec.data.datasets import load_conversations
     from specdec.models.drafter import DrafterConfig, Eagle3Drafter
 
@@ -92,8 +92,19 @@ def test_evaluate_with_drafter_compare_plain_is_lossless(prompts_file, tiny_targ
     d.embed_tokens.weight.data.copy_(target.embed_tokens().weight.data)
     d.set_vocab_mapping(torch.randperm(target.vocab_size)[:64])
     engine = SpeculativeEngine(target, drafter=d.eval(), k=4)
+    calls, generate = [], SpeculativeEngine.generate
+
+    def recorded(self, ids, params):
+        calls.append(("spec" if self.proposer is not None else "plain", tuple(ids)))
+        return generate(self, ids, params)
+
+    monkeypatch.setattr(SpeculativeEngine, "generate", recorded)
     result = evaluate(engine, target.tokenizer, load_conversations(str(prompts_file)), max_new_tokens=16,
                       compare_plain=True, progress=False)
+    # After one warm-up each, every prompt runs speculative then plain, back to back.
+    timed = calls[2:]
+    assert [kind for kind, _ in timed] == ["spec", "plain"] * result["num_prompts"]
+    assert all(a[1] == b[1] for a, b in zip(timed[::2], timed[1::2]))
     target.set_aux_layer_ids(None)  # the session fixture is shared
     assert result["mode"] == "eagle3-chain" and result["k"] == 4
     assert result["plain_output_mismatches"] == 0  # greedy speculative == plain

@@ -137,14 +137,11 @@ class SpeculativeEngine:
             if eagle:
                 rows = torch.tensor([0] + [1 + i for i in path], device=dev)
                 self.proposer.commit(out.aux_hidden[:, rows], torch.tensor(new_tokens, device=dev))
-            depth_count = max(draft.depths(), default=-1) + 1
-            positions_ok = [i < len(path) for i in range(depth_count)]
-            committed, reason = truncate_at_stop(new_tokens, stops, produced, params.max_new_tokens)
-            produced += len(committed)
-            context.extend(committed)
-            finished = reason is not None
-            yield StepOutput(token_ids=committed, drafted=n, accepted=len(path),
-                             accepted_positions=positions_ok, finished=finished, finish_reason=reason)
+            out = step_output(new_tokens, len(path), max(draft.depths(), default=-1) + 1, n, context, produced,
+                              params.max_new_tokens, stops)
+            produced += len(out.token_ids)
+            finished = out.finished
+            yield out
 
     def _accept(self, draft: Draft, logits: torch.Tensor, params: SamplingParams, gen) -> tuple[list[int], int]:
         """Walk the draft from the root; returns (accepted node indices, bonus token)."""
@@ -196,6 +193,18 @@ class SpeculativeEngine:
             num_steps=steps, num_drafts=drafts, drafted=drafted, accepted=accepted,
             accepted_per_position=per_pos, finish_reason=reason,
         )
+
+
+def step_output(new_tokens: list[int], accepted: int, depths: int, drafted: int, context: list[int], produced: int,
+                max_new_tokens: int, stops: set[int]) -> StepOutput:
+    """What a step that accepted `accepted` of `drafted` drafts (over `depths` draft positions)
+    emits: its new tokens cut at a stop token or the length budget (`truncate_at_stop`), which are
+    appended to `context`. Every engine's loop ends its steps here."""
+    committed, reason = truncate_at_stop(new_tokens, stops, produced, max_new_tokens)
+    context.extend(committed)
+    return StepOutput(token_ids=committed, drafted=drafted, accepted=accepted,
+                      accepted_positions=[i < accepted for i in range(depths)], finished=reason is not None,
+                      finish_reason=reason)
 
 
 def truncate_at_stop(new_tokens: list[int], stops: set[int], produced: int, max_new_tokens: int):

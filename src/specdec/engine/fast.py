@@ -50,7 +50,7 @@ from ..models.target import Target
 from .api import SamplingParams, StepOutput
 from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
-from .engine import SpeculativeEngine, truncate_at_stop
+from .engine import SpeculativeEngine, step_output
 from .gemv import (ROWS_MAX, folds, folds_glu, fused_one_token, gemv_linear, linear_add, pack, pack_layout,
                    rms_glu_linear, rms_linear)
 from .layer_math import rms_norm, rotate_half
@@ -745,14 +745,11 @@ class FastEngine(SpeculativeEngine):
                     static.commit(b.aux[rows], torch.tensor(new_tokens, device=dev))
                 else:
                     self.proposer.commit(b.aux[rows][None], torch.tensor(new_tokens, device=dev))
-            depth_count = max(depths, default=-1) + 1
-            positions_ok = [i < len(path) for i in range(depth_count)]
-            committed, reason = truncate_at_stop(new_tokens, stops, produced, params.max_new_tokens)
-            produced += len(committed)
-            context.extend(committed)
-            finished = reason is not None
-            yield StepOutput(token_ids=committed, drafted=n, accepted=len(path),
-                             accepted_positions=positions_ok, finished=finished, finish_reason=reason)
+            out = step_output(new_tokens, len(path), max(depths, default=-1) + 1, n, context, produced,
+                              params.max_new_tokens, stops)
+            produced += len(out.token_ids)
+            finished = out.finished
+            yield out
 
     def _device_steps(self, static: StaticChainDrafter | None, context: list[int], produced: int, max_new: int,
                       stops) -> Iterator[StepOutput]:
@@ -811,13 +808,10 @@ class FastEngine(SpeculativeEngine):
             values = hosts[n % 2].tolist()
             path, bonus = _greedy_walk(Draft(tokens=values[:k], parents=chain), values[k:])
             new_tokens = values[: len(path)] + [bonus]
-            committed, reason = truncate_at_stop(new_tokens, stops, produced, max_new)
-            produced += len(committed)
-            context.extend(committed)
-            yield StepOutput(token_ids=committed, drafted=k, accepted=len(path),
-                             accepted_positions=[i < len(path) for i in range(k)], finished=reason is not None,
-                             finish_reason=reason)
-            if reason is not None:
+            out = step_output(new_tokens, len(path), k, k, context, produced, max_new, stops)
+            produced += len(out.token_ids)
+            yield out
+            if out.finished:
                 return  # a step queued past the end is left to run; begin() and prefill reset the state
             if queued == n + 1:
                 queue(queued)

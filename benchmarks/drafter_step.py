@@ -195,20 +195,11 @@ def real_e2e(dev, res, out, names, target_path: str, drafter_path: str, prompts:
     if cpu:
         return
     for name, e in engines.items():
-        # GPU time per step (the kernels' time, from the profiler) against the wall time: what
-        # the host still adds between the kernels.
-        from torch.profiler import ProfilerActivity, profile
-
+        # The GPU's busy time per step against the wall time: what the host still adds.
         try:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                r = e.generate(ids[0], params)
-                torch.cuda.synchronize()
-            gpu_ms = sum(ev.self_device_time_total for ev in prof.key_averages()) / 1e3 / r.num_steps
+            rows[name]["profile"] = step_profile(e, ids[0], params, name, out)
         except Exception as err:  # a profiler that cannot see graph replays: the row goes without
-            print(f"real {name}: no GPU time ({type(err).__name__}: {err})", flush=True)
-            continue
-        rows[name]["gpu_ms_per_step"] = gpu_ms
-        print(f"real {name:18s} GPU time {gpu_ms:6.3f} ms per step (one prompt, profiled)", flush=True)
+            print(f"real {name}: no profile ({type(err).__name__}: {err})", flush=True)
     (out / "h200_drafter_step_real.json").write_text(json.dumps(res, indent=1))
 
 

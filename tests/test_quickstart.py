@@ -89,15 +89,15 @@ def test_best_k_from_two_measured_chains_then_measured_itself():
 
     runs = []
     rates = {}  # j -> (tok/s, acceptance length) a chain of j measures
+    plain = {"tok_s": 100.0}  # plain decoding beside each measured chain (on prompt "a")
 
     def measure(j):
         runs.append(j)
         tok_s, al = rates.get(j, (87.0, 1.5))
-        return {"tokens_per_s": tok_s, "mean_acceptance_length": al, "per_prompt": [{"id": "a"}]}
+        return {"tokens_per_s": tok_s, "speedup": tok_s / plain["tok_s"], "mean_acceptance_length": al,
+                "per_prompt": [{"id": "a"}]}
 
-    # Plain decoding ran prompt "a" at 100 tok/s and "b" (longer) at 50.
-    per_prompt = [{"id": "a", "plain_new_tokens": 100, "plain_seconds": 1.0},
-                  {"id": "b", "plain_new_tokens": 100, "plain_seconds": 2.0}]
+    per_prompt = [{"id": "a"}, {"id": "b"}]
     # A drafter that gets only its first token right: k = 5 at 0.8x, k = 1 at 0.87x; the fit puts
     # most of the cost in every step (f), so nothing is predicted to pay.
     weak = {"speedup": 0.8, "mean_acceptance_length": 1.55, "per_prompt": per_prompt,
@@ -111,11 +111,11 @@ def test_best_k_from_two_measured_chains_then_measured_itself():
     assert f > 0.5 and c > 0
     assert abs(speedup(1.5, 1, c, f) - 0.87) < 1e-9 and abs(speedup(1.55, 5, c, f) - 0.8) < 1e-9
     runs.clear()
-    per_prompt[0]["plain_seconds"] = 2.0  # plain at 50 tok/s on "a": k = 1 measures 1.74x
+    plain["tok_s"] = 50.0  # plain at 50 tok/s beside it: k = 1 measures 1.74x
     best = best_k_measured(weak, 5, measure)
     assert runs == [1] and best["k"] == 1 and best["measured_speedup"] == 1.74 and best["serve_k"] == 1
     runs.clear()
-    per_prompt[0]["plain_seconds"] = 1.0
+    plain["tok_s"] = 100.0
     # A better drafter: the fit predicts k = 3 (1.68x), which is then measured, and served.
     good = {"speedup": 1.5, "mean_acceptance_length": 3.35, "per_prompt": per_prompt,
             "per_position_acceptance": [0.9, 0.7, 0.5, 0.2, 0.05]}

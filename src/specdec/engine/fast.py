@@ -281,6 +281,27 @@ def _bias(m) -> torch.Tensor | None:
     return m.bias.data if getattr(m, "bias", None) is not None else None
 
 
+def layer_weights(model, share: bool = True) -> list[_Layer]:
+    """Every decoder layer's weights with q/k/v and gate/up fused (`_fuse`); with `share` the HF
+    modules are re-pointed at views of the fused tensors, so no memory is duplicated."""
+    layers = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        wqkv, bqkv = _fuse([a.q_proj, a.k_proj, a.v_proj], share)
+        wgu, bgu = _fuse([m.gate_proj, m.up_proj], share)
+        qn = getattr(a, "q_norm", None)
+        kn = getattr(a, "k_norm", None)
+        layers.append(_Layer(
+            ln1=layer.input_layernorm.weight.data, wqkv=wqkv, bqkv=bqkv,
+            qn=qn.weight.data if qn is not None else None,
+            kn=kn.weight.data if kn is not None else None,
+            wo=a.o_proj.weight.data, bo=_bias(a.o_proj),
+            ln2=layer.post_attention_layernorm.weight.data,
+            wgu=wgu, bgu=bgu, wd=m.down_proj.weight.data, bd=_bias(m.down_proj),
+        ))
+    return layers
+
+
 @dataclass
 class StepBuffers:
     T: int
@@ -320,22 +341,8 @@ class FastDecoder:
         # Cache slots past max_len: padded rows of the last step and warm-up writes land there.
         self.cache_len = _round_up(max_len + pad, 64)  # a multiple of 64 keeps mask rows aligned
         inner = model.model
-        self.layers: list[_Layer] = []
         with torch.no_grad():
-            for layer in inner.layers:
-                a, m = layer.self_attn, layer.mlp
-                wqkv, bqkv = _fuse([a.q_proj, a.k_proj, a.v_proj], share_weights)
-                wgu, bgu = _fuse([m.gate_proj, m.up_proj], share_weights)
-                qn = getattr(a, "q_norm", None)
-                kn = getattr(a, "k_norm", None)
-                self.layers.append(_Layer(
-                    ln1=layer.input_layernorm.weight.data, wqkv=wqkv, bqkv=bqkv,
-                    qn=qn.weight.data if qn is not None else None,
-                    kn=kn.weight.data if kn is not None else None,
-                    wo=a.o_proj.weight.data, bo=_bias(a.o_proj),
-                    ln2=layer.post_attention_layernorm.weight.data,
-                    wgu=wgu, bgu=bgu, wd=m.down_proj.weight.data, bd=_bias(m.down_proj),
-                ))
+            self.layers = layer_weights(model, share_weights)
             self.embed = model.get_input_embeddings().weight.data
             self.norm_w = inner.norm.weight.data
             self.lm_w = model.get_output_embeddings().weight.data

@@ -222,3 +222,18 @@ def test_endpoint_down_fails_with_one_clear_line(tmp_path):
         regenerate_endpoint(url, convs(1), tmp_path / "r.jsonl", model="m", max_retries=1, retry_base_s=0.01,
                             progress=False)
     assert read_jsonl(tmp_path / "r.jsonl") == []
+
+
+def test_batch_decoder_where_it_applies_and_hf_generate_elsewhere(tiny_targets, tmp_path, capsys):
+    from specdec.data.regenerate import batch_decoder, batch_decoder_blocker
+    from specdec.errors import SpecdecError
+
+    assert batch_decoder(tiny_targets["llama"]) is not None
+    mla = tiny_targets["deepseek_v3"]
+    assert batch_decoder(mla) is None and "deepseek_v3" in batch_decoder_blocker(mla, RegenConfig())
+    assert "sampling" in batch_decoder_blocker(tiny_targets["llama"], RegenConfig(temperature=0.7))
+    # An MLA target still regenerates (HF generate) and says so; forcing the batch decoder on it fails.
+    s = regenerate_local(mla, convs(2), tmp_path / "r.jsonl", RegenConfig(max_new_tokens=3), batch_size=2)
+    assert s.conversations == 2 and "decoding with HF generate (the fast path supports" in capsys.readouterr().err
+    with pytest.raises(SpecdecError, match="batch decoder does not apply"):
+        regenerate_local(mla, convs(3), tmp_path / "r.jsonl", RegenConfig(max_new_tokens=3), fast=True)

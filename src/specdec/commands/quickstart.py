@@ -35,14 +35,16 @@ examples:
 CPU = dict(prompts=320, max_new_tokens=128, epochs=6.0, draft_vocab_size=2048, ttt_steps=4, lr=3e-3,
            eval_prompts=10, eval_max_new_tokens=96, max_length=384, batch_tokens=256, batch_size=64,
            eval_every=200)
-# On the GPU, 4,096 tokens per batch (4x the optimizer steps of 16,384) and 20 epochs: on 640K captured
-# tokens, 20 epochs measured 1.81 on MT-Bench against 1.70 for 10 (BENCHMARKS.md).
+# On the GPU, every ShareGPT first turn of <= 600 characters (~14,000; the batch decoder regenerates
+# them in 78 s on an H200) for 6 epochs at 4,096 tokens per batch: 2.36 on 10 MT-Bench questions at
+# k = 5, against 2.00 for 2,500 prompts and 20 epochs (6,564 optimizer steps against 3,840), in ~15
+# minutes with --eval-prompts 10 --tree-depth 0 (BENCHMARKS.md).
 # A CPU without native bf16 (fp32 throughout) runs every stage ~1.7x slower: measured 21.3 minutes
 # with the CPU defaults on a 2-core AMD EPYC (regenerate 305 s, capture 93, train 522, evaluate
 # 331), and 20.0 with 256 prompts and 6 questions at a slower hour of the same shared host
 # (regenerate 314, capture 99, train 515, evaluate 239). So fewer prompts, epochs and questions.
 CPU_FP32 = dict(prompts=224, epochs=5.0, eval_prompts=6)
-GPU = dict(prompts=4000, max_new_tokens=256, epochs=20.0, draft_vocab_size=16384, ttt_steps=7, lr=1e-3,
+GPU = dict(prompts=14000, max_new_tokens=256, epochs=6.0, draft_vocab_size=16384, ttt_steps=7, lr=1e-3,
            eval_prompts=20, eval_max_new_tokens=256, max_length=2048, batch_tokens=4096, batch_size=256,
            eval_every=500)
 

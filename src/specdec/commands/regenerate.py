@@ -9,7 +9,10 @@ The target answers each conversation's user turns, turn by turn (every assistant
 by the target's own answer; --single-turn asks only the first user turn). A drafter trained on
 the target's own answers learns what the target will say, not what ChatGPT once said.
 
-In process: batched plain decoding with HF generate (left-padded, longest prompts first).
+In process: batched plain decoding of left-padded batches, longest prompts first. Greedy
+batches of a Llama-family target (Llama, Qwen2/3, Mistral, SmolLM2) run on a static cache with
+every decode step one CUDA graph (37.5K tok/s for SmolLM2-135M at batch 256 on an H200, 13x HF
+generate); sampling and other architectures run HF generate (--hf-generate forces it).
 With --endpoint: any OpenAI-compatible server (vLLM, SGLang, specdec serve), --concurrency
 requests in flight, retries with exponential backoff on connection errors, 429 and 5xx.
 
@@ -20,8 +23,8 @@ dropped. Prompt sources: sharegpt, mt-bench, humaneval, or a local .json/.jsonl.
 
 examples:
   specdec regenerate --target tiny-llama --prompts mt-bench --limit 4 --max-new-tokens 16 -o /tmp/regen.jsonl
-  specdec regenerate --target smollm2-135m-instruct --prompts sharegpt --limit 1000 \\
-      --batch-size 32 -o runs/smol/regen.jsonl
+  specdec regenerate --target smollm2-135m-instruct --prompts sharegpt --limit 10000 \\
+      --batch-size 256 -o runs/smol/regen.jsonl         # a GPU: about 1 minute
   specdec regenerate --endpoint http://localhost:8000 --prompts sharegpt --limit 10000 \\
       --concurrency 64 -o runs/big/regen.jsonl          # vLLM / SGLang already serving the target
 """
@@ -45,7 +48,10 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
     g = p.add_argument_group("in-process generation")
-    g.add_argument("--batch-size", type=int, default=8, metavar="B", help="conversations per batch (default: 8)")
+    g.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="conversations per batch (default: 256 on a GPU, 32 on the CPU)")
+    g.add_argument("--hf-generate", action="store_true",
+                   help="decode with HF generate instead of the batch decoder (static cache, CUDA graphs)")
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
     g.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                    help="model dtype (default: bf16 on GPU, fp32 on CPU)")
@@ -71,7 +77,7 @@ def run(args) -> int:
 
     if not args.endpoint and not args.target:
         raise SpecdecError("expected --target T (generate in process) or --endpoint URL (a running server)")
-    if args.batch_size < 1:
+    if args.batch_size is not None and args.batch_size < 1:
         raise SpecdecError(f"--batch-size must be >= 1, found {args.batch_size}")
     if args.max_new_tokens < 1:
         raise SpecdecError(f"--max-new-tokens must be >= 1, found {args.max_new_tokens}")
@@ -89,7 +95,9 @@ def run(args) -> int:
         from specdec.models.target import load_target
 
         target = load_target(args.target, device=args.device, dtype=args.dtype, device_map=args.device_map)
-        summary = regenerate_local(target, convs, args.output, cfg, batch_size=args.batch_size, progress=progress)
+        batch = args.batch_size or (256 if target.device.type == "cuda" else 32)
+        summary = regenerate_local(target, convs, args.output, cfg, batch_size=batch, progress=progress,
+                                   fast=False if args.hf_generate else None)
     print(summary.line())
     print(f"wrote {args.output}; next: specdec capture --target {args.target or 'T'} --data {args.output} -o DIR")
     return 0

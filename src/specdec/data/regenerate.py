@@ -232,6 +232,8 @@ def regenerate_local(
     decoder = batch_decoder(target) if fast is not False and cfg.temperature <= 0 and todo else None
     if fast and decoder is None:
         raise SpecdecError(f"the batch decoder does not apply here: {batch_decoder_blocker(target, cfg)}")
+    if todo and progress:
+        log(f"decoding with {_decoder_name(target, decoder, fast, cfg)}")
     if cfg.temperature > 0:
         torch.manual_seed(cfg.seed)
     max_len = getattr(target.config, "max_position_embeddings", None) or 1 << 30
@@ -291,6 +293,12 @@ def batch_decoder_blocker(target, cfg: RegenConfig) -> str | None:
     except SpecdecError as e:
         return str(e)
     return None
+
+
+def _decoder_name(target, decoder, fast: bool | None, cfg: RegenConfig) -> str:
+    if decoder is not None:
+        return "the batch decoder (static cache" + (", CUDA graphs)" if target.device.type == "cuda" else ")")
+    return "HF generate (" + ("--hf-generate" if fast is False else batch_decoder_blocker(target, cfg)) + ")"
 
 
 def batch_decoder(target):

@@ -99,7 +99,7 @@ class BatchDecoder:
             cache[1].index_copy_(2, slots, v)
             qg = q.reshape(B, s.kv_heads, g * T, hd)  # heads are kv-major: head h reads kv head h // g
             o = F.scaled_dot_product_attention(qg, cache[0], cache[1], attn_mask=mask, scale=hd**-0.5)
-            o = o.view(B, s.heads, T, hd).transpose(1, 2).reshape(B, T, s.heads * hd)
+            o = o.reshape(B, s.heads, T, hd).transpose(1, 2).reshape(B, T, s.heads * hd)
             x = x + F.linear(o, w.wo, w.bo)
             gate, up = F.linear(rms_norm(x, w.ln2, s.eps), w.wgu, w.bgu).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w.wd, w.bd)

@@ -141,6 +141,29 @@ def plot_bench(name: str, png: str, title: str) -> None:
     fig.savefig(R / png, dpi=110)
 
 
+def plot_regen() -> None:
+    """Regeneration tok/s, HF generate against the batch decoder, on the same batches (one bar pair per
+    device; the last line of each results file)."""
+    runs = [(label, name) for label, name in (("H200, batch 256", "h200_regen_throughput.jsonl"),
+                                              ("2-core CPU, batch 64", "cpu_regen_throughput.jsonl"))
+            if (R / name).exists()]
+    if not runs:
+        return
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.6), squeeze=False)
+    for ax, (label, name) in zip(axes[0], runs):
+        d = json.loads((R / name).read_text().strip().splitlines()[-1])
+        vals = [d["hf_tok_s"], d["batch_tok_s"]]
+        ax.bar(["HF generate", "batch decoder"], vals, color=["#999", "#59c"])
+        for i, v in enumerate(vals):
+            ax.text(i, v * 1.01, f"{v:,.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, 1.15 * max(vals))
+        ax.set_ylabel("new tokens / s")
+        ax.set_title(f"{label}: {d['speedup']:.1f}x ({d['prompts']} prompts, {d['dtype'].split('.')[-1]})", fontsize=9)
+    fig.suptitle("regenerate, SmolLM2-135M-Instruct, greedy", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(R / "regen_throughput.png", dpi=110)
+
+
 def plot_packed() -> None:
     """Per product, the best TB/s of each way to stream a weight for 8 tokens; then the 8B step of
     1 and 8 tokens with row-major and packed weights, in one process and in fresh ones."""
@@ -192,6 +215,10 @@ if __name__ == "__main__":
     plot_smollm2()
     plot_recipes()
     plot_packed()
+    plot_regen()
+    if (R / "h200_bench_quickstart_14k.json").exists():
+        plot_bench("h200_bench_quickstart_14k.json", "h200_bench_quickstart_14k.png",
+                   "SmolLM2-135M-Instruct, H200, bf16: the drafter of the quickstart on 14,000 prompts")
     for dtype, suffix in (("bf16", ""), ("fp32", "_fp32"), ("fp32, few-row products routed", "_fp32_routed"),
                           ("bf16, CPU fast path", "_fast")):
         if (R / f"cpu_qwen15_head_to_head{suffix}.json").exists():

@@ -47,6 +47,18 @@ class _State:
     out: torch.Tensor  # [B, max_new] tokens produced
 
 
+@dataclass
+class _Shape:
+    """What a batch shape needs: state, cache, the end tokens the step compares against, and the
+    step's CUDA graph once captured (it reads all three by address, so they live as long as it)."""
+
+    key: tuple  # (rows, cache slots, max new tokens, end tokens, filler)
+    st: _State
+    kv: list[torch.Tensor]
+    eos: torch.Tensor
+    graph: torch.cuda.CUDAGraph | None = None
+
+
 class BatchDecoder:
     """Greedy decoding of a batch of prompts over a Llama-family HF model's weights."""
 
@@ -65,7 +77,7 @@ class BatchDecoder:
         self.check_every = check_every
         self.use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._rope_len = 0
-        self._graph: tuple | None = None  # (key, graph, state, cache)
+        self._shape: _Shape | None = None  # the last batch's, reused by the next of the same shape
 
     # -- the math -------------------------------------------------------------------------------
     def _rope(self, n: int):
@@ -136,8 +148,8 @@ class BatchDecoder:
         for b, p in enumerate(prompts):
             ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
         ids = ids.to(dev)
-        eos_t = torch.tensor(sorted(set(eos)) or [-1], device=dev)
-        st, kv = self._state_and_cache(B, S, max_new_tokens)
+        shape = self._prepare(B, S, max_new_tokens, eos, pad_id)
+        st, kv = shape.st, shape.kv
         for c in kv:
             c.zero_()  # masked slots get a zero weight, and 0 * a stale NaN would still be NaN
         first = torch.cat([self._prefill(ids[r], pad[r], [c[:, r] for c in kv])
@@ -145,12 +157,12 @@ class BatchDecoder:
         st.ids.copy_(first)
         st.out.zero_()
         st.out[:, 0] = first
-        st.done.copy_((first[:, None] == eos_t).any(dim=-1))
+        st.done.copy_((first[:, None] == shape.eos).any(dim=-1))
         st.slot.fill_(P)
         st.pos.copy_(P - pad)
         st.step.fill_(1)
         st.pad.copy_(pad)
-        run = self._replayer(st, kv, eos_t, pad_id, B, S, max_new_tokens)
+        run = self._replayer(shape)
         for i in range(1, max_new_tokens):
             if i % self.check_every == 0 and bool(st.done.all()):
                 break
@@ -174,45 +186,44 @@ class BatchDecoder:
         pos = (t[None] - pad[:, None]).clamp(min=0)
         return self._forward(ids, pos, t, allowed, kv)
 
-    def _state_and_cache(self, B: int, S: int, max_new: int):
-        """The step state and KV cache for this shape: the captured graph's when it matches."""
-        if self._graph is not None and self._graph[0] == (B, S, max_new):
-            return self._graph[2], self._graph[3]
-        self._graph = None  # free the last shape's cache before allocating this one
+    def _prepare(self, B: int, S: int, max_new: int, eos, filler: int) -> _Shape:
+        """State and cache for this batch shape: the last batch's (and its graph) when it matches."""
+        ends = tuple(sorted(set(eos))) or (-1,)
+        key = (B, S, max_new, ends, filler)
+        if self._shape is not None and self._shape.key == key:
+            return self._shape
+        self._shape = None  # free the last shape's cache and graph before allocating this one
         dev, s = self.device, self.s
         long = dict(dtype=torch.long, device=dev)
         st = _State(ids=torch.zeros(B, **long), slot=torch.zeros(1, **long), pos=torch.zeros(B, **long),
                     pad=torch.zeros(B, **long), done=torch.zeros(B, dtype=torch.bool, device=dev),
                     step=torch.zeros(1, **long), out=torch.zeros(B, max_new, **long))
         kv = [torch.zeros(2, B, s.kv_heads, S, s.head_dim, dtype=self.dtype, device=dev) for _ in self.layers]
-        if self.use_graphs:
-            self._graph = ((B, S, max_new), None, st, kv)
-        return st, kv
+        self._shape = _Shape(key, st, kv, torch.tensor(ends, device=dev))
+        return self._shape
 
-    def _replayer(self, st: _State, kv, eos_t, filler: int, B: int, S: int, max_new: int):
-        """A function running one step: eager, or a CUDA graph captured once per shape (the eos set
-        and filler are baked in, so they are part of the key)."""
+    def _replayer(self, shape: _Shape):
+        """A function running one step: eager, or the shape's CUDA graph (captured on first use)."""
+        st, filler = shape.st, shape.key[-1]
         if not self.use_graphs:
-            return lambda: self._step(st, kv, eos_t, filler)
-        key = (B, S, max_new)
-        g = self._graph[1] if self._graph and self._graph[0] == key and self._graph[4:] == (eos_t.tolist(), filler) \
-            else None
-        if g is None:
-            # Capture writes the cache and advances the state: save both, capture, restore.
-            saved = [t.clone() for t in (st.ids, st.slot, st.pos, st.done, st.step, st.out)]
+            return lambda: self._step(st, shape.kv, shape.eos, filler)
+        if shape.graph is None:
+            # Capture writes the cache and advances the state: save the state, capture, restore
+            # (the cache slot written is the one the first real step rewrites).
+            live = (st.ids, st.slot, st.pos, st.done, st.step, st.out)
+            saved = [t.clone() for t in live]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._step(st, kv, eos_t, filler)  # warm-up outside the graph (lazy allocations)
+                self._step(st, shape.kv, shape.eos, filler)  # warm-up outside the graph (lazy allocations)
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                self._step(st, kv, eos_t, filler)
-            for t, v in zip((st.ids, st.slot, st.pos, st.done, st.step, st.out), saved):
+                self._step(st, shape.kv, shape.eos, filler)
+            for t, v in zip(live, saved):
                 t.copy_(v)
-            self._graph = (key, g, st, kv, eos_t.tolist(), filler)
-        return g.replay
-
+            shape.graph = g
+        return shape.graph.replay
 
 def _row_chunks(B: int, P: int, S: int, groups: int, budget: int = 1 << 28) -> list[slice]:
     """Rows per prefill pass so that its attention mask (rows x groups x P x S) stays under

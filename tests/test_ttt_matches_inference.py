@@ -250,7 +250,7 @@ def test_walk_over_the_engine_s_own_text_measures_what_the_engine_measured(tiny_
     sample = {"input_ids": ids.int(), "loss_mask": mask, "aux_hidden": out.aux_hidden[0],
               "last_hidden": out.last_hidden[0]}
     with torch.no_grad():
-        res = ttt_loss(drafter, Batch.collate([sample], "cpu"), TargetHead.from_target(target), steps=k)
+        res = ttt_loss(drafter, Batch.collate([sample], "cpu"), TargetHead.from_target(target), steps=k, walk=True)
     tokens, walked = walk_acceptance(res.depth, res.starts, k)
     assert walked == len(steps) and tokens == len(text) - 1 == sum(accepted) + len(steps)
     per_position = 1 + float(res.correct.sum() / res.counted)

@@ -76,7 +76,7 @@ class DrafterTTT(nn.Module):
         """(loss, correct, step_correct, counted), and with `walk` the engine's walk over the batch
         at k = steps and k = 5 as tokens [2] and steps [2] (`walk_acceptance`)."""
         out = ttt_loss(self.drafter, Batch(input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax),
-                       self.head, steps=self.steps, decay=self.decay, feature_weight=self.feature_weight)
+                       self.head, steps=self.steps, decay=self.decay, feature_weight=self.feature_weight, walk=walk)
         if not walk:
             return out.loss, out.correct, out.step_correct, out.counted
         walks = [walk_acceptance(out.depth, out.starts, k) for k in (self.steps, 5)]

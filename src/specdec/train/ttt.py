@@ -152,9 +152,11 @@ class TTTOutput:
 
 
 def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: int = 7,
-             decay: float = 0.8, feature_weight: float = 0.0) -> TTTOutput:
+             decay: float = 0.8, feature_weight: float = 0.0, walk: bool = False) -> TTTOutput:
     """The TTT loss with the per-step accuracies used for the simulated acceptance length.
-    `feature_weight` > 0 adds the feature loss (module docstring), relative squared error per token."""
+    `feature_weight` > 0 adds the feature loss (module docstring), relative squared error per token.
+    With `walk`, also each position's accepted depth and whether a step may start there (for
+    walk_acceptance; only evaluation asks)."""
     raw = drafter.module if hasattr(drafter, "module") else drafter
     B, L = batch.input_ids.shape
     dev = batch.input_ids.device
@@ -172,7 +174,7 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
     loss = torch.zeros((), device=dev)
     correct, step_correct = [], []
     counted = torch.zeros((), device=dev)
-    depth = torch.zeros(B, L, dtype=torch.long, device=dev)
+    depth = torch.zeros(B, L, dtype=torch.long, device=dev) if walk else None
     base = torch.zeros_like(eligible)
     if feature_weight > 0:
         want = head.normed(batch.last_hidden)  # shape: [B, L, H]; scored where `needed`, as the CE
@@ -209,8 +211,9 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
                 alive = alive & right
             correct.append((alive & base).sum().float())
             step_correct.append(right.sum().float())
-            depth += alive & base
-    return TTTOutput(loss, torch.stack(correct), torch.stack(step_correct), counted, depth, base)
+            if walk:
+                depth += alive & base
+    return TTTOutput(loss, torch.stack(correct), torch.stack(step_correct), counted, depth, base if walk else None)
 
 
 def walk_acceptance(depth: torch.Tensor, starts: torch.Tensor, k: int) -> tuple[int, int]:

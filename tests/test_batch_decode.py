@@ -74,3 +74,13 @@ def test_cuda_graphs_replay_what_eager_steps_compute(tiny_dirs):
     assert graphs.generate(PROMPTS, 20, eos=[]) == want
     stop = want[0][0][2]
     assert graphs.generate(PROMPTS, 20, eos=[stop]) == eager.generate(PROMPTS, 20, eos=[stop])
+
+
+def test_a_sliding_window_shorter_than_the_sequence_is_refused(tiny_targets):
+    """Mistral's window: the decoder attends every slot, so it takes only sequences the window covers
+    (regenerate then hands the batch to HF generate)."""
+    target = tiny_targets["mistral"]
+    window = target.config.sliding_window
+    dec = BatchDecoder(target.model)
+    assert dec.fits(window) and not dec.fits(window + 1)
+    assert BatchDecoder(tiny_targets["llama"].model).fits(10**6)

@@ -168,7 +168,7 @@ def generate_batch(target, prompts: Sequence[Sequence[int]], cfg: RegenConfig, d
     eos = list(target.eos_token_ids)
     tok = target.tokenizer
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else (eos[0] if eos else 0)
-    if decoder is not None and cfg.temperature <= 0:
+    if decoder is not None and cfg.temperature <= 0 and decoder.fits(max(map(len, prompts)) + cfg.max_new_tokens):
         return decoder.generate([list(p) for p in prompts], cfg.max_new_tokens, eos, pad)
     B, T = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((B, T), pad, dtype=torch.long)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import SpecdecError
 from .fast import Shapes, _rope_tables, _round_up, check_supported, layer_weights
 from .layer_math import rms_norm, rotate_half
 
@@ -78,6 +79,15 @@ class BatchDecoder:
         self.use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self._rope_len = 0
         self._shape: _Shape | None = None  # the last batch's, reused by the next of the same shape
+
+    def fits(self, length: int) -> bool:
+        """Whether sequences of `length` tokens decode exactly here: a sliding-window target's
+        window must cover them (this decoder attends to every slot)."""
+        try:
+            check_supported(self.model.config, length)
+        except SpecdecError:
+            return False
+        return True
 
     # -- the math -------------------------------------------------------------------------------
     def _rope(self, n: int):

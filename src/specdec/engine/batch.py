@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecdecError
-from .fast import Shapes, _rope_tables, _round_up, check_supported, layer_weights
+from .fast import Shapes, check_supported, layer_weights, rope_tables, round_up
 from .layer_math import rms_norm, rotate_half
 
 
@@ -92,8 +92,8 @@ class BatchDecoder:
     # -- the math -------------------------------------------------------------------------------
     def _rope(self, n: int):
         if n > self._rope_len:
-            self._rope_len = _round_up(n, 1024)
-            self.cos, self.sin = _rope_tables(self.model, self._rope_len, self.device, self.dtype)
+            self._rope_len = round_up(n, 1024)
+            self.cos, self.sin = rope_tables(self.model, self._rope_len, self.device, self.dtype)
         return self.cos, self.sin
 
     def _forward(self, ids, pos, slots, allowed, kv):
@@ -152,7 +152,7 @@ class BatchDecoder:
         B, P = len(prompts), max(len(p) for p in prompts)
         # Slots past P + max_new_tokens: the step after the last writes there; 128 keeps the
         # attention's mask rows aligned and lets graphs be reused across batches of nearby lengths.
-        S = _round_up(P + max_new_tokens + 1, 128)
+        S = round_up(P + max_new_tokens + 1, 128)
         pad = torch.tensor([P - len(p) for p in prompts], device=dev)
         ids = torch.full((B, P), pad_id, dtype=torch.long)
         for b, p in enumerate(prompts):

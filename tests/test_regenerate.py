@@ -237,3 +237,12 @@ def test_batch_decoder_where_it_applies_and_hf_generate_elsewhere(tiny_targets, 
     assert s.conversations == 2 and "decoding with HF generate (the fast path supports" in capsys.readouterr().err
     with pytest.raises(SpecdecError, match="batch decoder does not apply"):
         regenerate_local(mla, convs(3), tmp_path / "r.jsonl", RegenConfig(max_new_tokens=3), fast=True)
+
+
+def test_batch_decoder_writes_what_hf_generate_writes(target, tmp_path):
+    """fp32, multi-turn conversations in one batch: the same records either way."""
+    cfg = RegenConfig(max_new_tokens=6)
+    regenerate_local(target, convs(5), tmp_path / "hf.jsonl", cfg, batch_size=5, progress=False, fast=False)
+    regenerate_local(target, convs(5), tmp_path / "batch.jsonl", cfg, batch_size=5, progress=False, fast=True)
+    hf, batch = read_jsonl(tmp_path / "hf.jsonl"), read_jsonl(tmp_path / "batch.jsonl")
+    assert len(hf) == 5 and hf == batch

@@ -246,3 +246,30 @@ def test_batch_decoder_writes_what_hf_generate_writes(target, tmp_path):
     regenerate_local(target, convs(5), tmp_path / "batch.jsonl", cfg, batch_size=5, progress=False, fast=True)
     hf, batch = read_jsonl(tmp_path / "hf.jsonl"), read_jsonl(tmp_path / "batch.jsonl")
     assert len(hf) == 5 and hf == batch
+
+
+def test_out_of_memory_says_what_to_do_and_keeps_what_finished(target, tmp_path, monkeypatch):
+    import torch
+
+    import specdec.data.regenerate as regen
+    from specdec.errors import SpecdecError
+
+    out = tmp_path / "r.jsonl"
+    real = regen.generate_batch
+    calls = []
+
+    def second_batch_runs_out(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return real(*a, **k)
+
+    monkeypatch.setattr(regen, "generate_batch", second_batch_runs_out)
+    cfg = RegenConfig(max_new_tokens=3, single_turn=True)
+    with pytest.raises(SpecdecError, match=r"out of memory decoding 2 conversations .* smaller --batch-size \(now 2\)"):
+        regenerate_local(target, convs(4), out, cfg, batch_size=2, progress=False)
+    kept = read_jsonl(out)
+    assert len(kept) == 2  # the first batch, intact
+    monkeypatch.setattr(regen, "generate_batch", real)
+    s = regenerate_local(target, convs(4), out, cfg, batch_size=1, progress=False)
+    assert s.skipped_done == 2 and len(read_jsonl(out)) == 4

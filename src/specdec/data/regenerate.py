@@ -262,7 +262,15 @@ def regenerate_local(
                 if not asks:
                     continue
                 asks.sort(key=lambda a: len(a[1]))
-                outs = generate_batch(target, [a[1] for a in asks], cfg, decoder)
+                try:
+                    outs = generate_batch(target, [a[1] for a in asks], cfg, decoder)
+                except torch.OutOfMemoryError as e:
+                    # Longest prompts come first, so this is the first batch or close to it.
+                    longest = max(len(a[1]) for a in asks)
+                    raise SpecdecError(
+                        f"out of memory decoding {len(asks)} conversations of up to {longest} prompt tokens "
+                        f"+ {cfg.max_new_tokens} new ones ({summary.conversations:,} finished and kept in "
+                        f"{out_path}); rerun with a smaller --batch-size (now {batch_size}) to resume") from e
                 for (c, _), (new, reason) in zip(asks, outs):
                     body = new[:-1] if new and new[-1] in eos else new
                     c.answer(tok.decode(body, skip_special_tokens=True), reason, len(new))

@@ -229,7 +229,7 @@ def regenerate_local(
         raise SpecdecError("the target has no tokenizer; regenerate renders prompts with its chat template")
     todo, skipped = pending_conversations(conversations, out_path, cfg.single_turn)
     summary = RegenSummary(skipped_done=skipped, total=skipped + len(todo))
-    decoder = batch_decoder(target) if fast is not False and cfg.temperature <= 0 and todo else None
+    decoder = batch_decoder(target, cfg) if fast is not False and todo else None
     if fast and decoder is None and todo:
         raise SpecdecError(f"the batch decoder does not apply here: {batch_decoder_blocker(target, cfg)}")
     if todo and progress:
@@ -309,10 +309,10 @@ def _decoder_name(target, decoder, fast: bool | None, cfg: RegenConfig) -> str:
     return "HF generate (" + ("--hf-generate" if fast is False else batch_decoder_blocker(target, cfg)) + ")"
 
 
-def batch_decoder(target):
-    """A BatchDecoder over the target's weights, or None where it does not apply (see
-    batch_decoder_blocker; greedy is the caller's to check)."""
-    if batch_decoder_blocker(target, RegenConfig()) is not None:
+def batch_decoder(target, cfg: RegenConfig | None = None):
+    """A BatchDecoder over the target's weights, or None where it does not apply under `cfg`
+    (default: greedy; see batch_decoder_blocker)."""
+    if batch_decoder_blocker(target, cfg or RegenConfig()) is not None:
         return None
     from ..engine.batch import BatchDecoder
 

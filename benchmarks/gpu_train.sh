@@ -172,6 +172,15 @@ case "$1" in
         | grep -v "Warning\|warn" | tee "$OUT/bench_14k_tree_${tree//,/-}.log" | grep "^specdec-\|^\[bench\]"
     done
     ;;
+  tp)
+    # Drafter training throughput (no weights needed), the tree in .devdata/old_src against this one.
+    timeout 150 python3 -m pytest -q -x tests/test_train.py -k "cuda or steps_walk" 2>&1 | tail -4 | tee "$OUT/train_tests_cuda.log"
+    for tree in ${TP_TREES:-.devdata/old_src/src:before src:after}; do
+      timeout "${TP_S:-200}" python3 benchmarks/train_throughput.py --src "${tree%%:*}" --tag "${tree##*:}" --out "$OUT" \
+        2>&1 | grep -v "Warning\|warn" > "$OUT/train_throughput_${tree##*:}.log"
+      grep "^\[" "$OUT/train_throughput_${tree##*:}.log"
+    done
+    ;;
   bd1)
     stage_first_half
     timeout 240 python3 -m pytest -q tests/test_batch_decode.py 2>&1 | tail -3

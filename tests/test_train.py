@@ -246,3 +246,51 @@ def test_steps_walk_epochs_of_different_sizes():
     assert [(e, p) for e, p, _ in walked] == expected
     assert all(p < len(b) for _, p, b in walked)
     assert sorted(i for e, p, b in walked if e == 1 for i in b[p]) == idx  # an epoch sees every sample once
+    # step_batches, what the loop walks, starts anywhere and agrees with locating each step alone.
+    from specdec.train.loop import step_batches
+
+    every = list(step_batches(0, sum(sizes), idx, lengths, 256, seed=0))
+    assert every == [b[p] for _, p, b in walked]
+    for start in (0, 1, sizes[0] - 1, sizes[0], sizes[0] + sizes[1] + 3):
+        assert list(step_batches(start, sum(sizes), idx, lengths, 256, seed=0)) == every[start:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: batches load on a second stream there")
+def test_cuda_prefetch_yields_each_batch_in_order_after_its_copy():
+    from specdec.train.loop import Prefetch
+
+    dev = torch.device("cuda")
+    host = [torch.randn(64, 1024).pin_memory() for _ in range(12)]
+
+    def load(i):
+        slow = torch.randn(1024, 1024, device=dev)
+        for _ in range(20):  # work queued on the worker's stream before the copy
+            slow = slow @ slow.T / 1024
+        return i, (host[i].to(dev, non_blocking=True) + 0 * slow[:64].sum(),)
+
+    seen = []
+    for i, (t,) in Prefetch(load, range(12), dev):
+        seen.append(i)
+        torch.testing.assert_close(t.cpu(), host[i])
+    assert seen == list(range(12))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the prefetching loop runs there")
+def test_cuda_training_resumes_from_a_checkpoint_to_the_same_weights(tiny, capture_dir, tmp_path):
+    import shutil
+
+    target = load_target(tiny, device="cuda")
+    source = OfflineSource(CaptureStore(capture_dir))
+
+    def cfg(out):
+        return TrainConfig(out=str(out), epochs=100, max_steps=12, save_every=4, keep_checkpoints=10,
+                           draft_vocab_size=64, batch_tokens=1024, ttt_steps=3, lr=3e-3, eval_every=6)
+
+    assert train(target, source, cfg(tmp_path / "straight"), progress=False)["steps"] == 12
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "step-4", tmp_path / "resumed" / "checkpoints" / "step-4")
+    summary = train(target, source, cfg(tmp_path / "resumed"), resume=True, progress=False)
+    assert summary["resumed_from"].endswith("step-4") and summary["steps"] == 12
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], msg=k)

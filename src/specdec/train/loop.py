@@ -264,6 +264,77 @@ def _to(samples, device, dtype):
     return b.input_ids, b.loss_mask, b.aux_hidden.to(dtype), b.last_hidden, b.valid, b.target_argmax
 
 
+def step_batches(step: int, total: int, indices: list[int], lengths: list[int], batch_tokens: int, *, seed: int):
+    """The global batch of every optimizer step from `step` to `total`, across epochs."""
+    epoch, pos, batches = batches_at(step, indices, lengths, batch_tokens, seed=seed)
+    for _ in range(step, total):
+        if pos >= len(batches):
+            epoch, pos = epoch + 1, 0
+            batches = global_batches(indices, lengths, batch_tokens, seed=seed, epoch=epoch)
+        yield batches[pos]
+        pos += 1
+
+
+class Prefetch:
+    """`load(item)` for the items ahead of the one in use, in a worker thread on its own CUDA stream.
+
+    A small drafter's step is short: reading its samples from disk, padding them, the first epoch's
+    target argmax and the copy to the GPU would otherwise leave the device idle for much of each
+    step. The consumer's stream waits on an event recorded after each load, so kernels never read a
+    batch before its copy ends. Without CUDA the loads run inline: a CPU's cores are the compute.
+    """
+
+    def __init__(self, load, items, device: torch.device, ahead: int = 2):
+        self.load, self.items, self.ahead = load, iter(items), ahead
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pool = None
+        if self.cuda:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="specdec-prefetch")
+
+    def _load_on_stream(self, item):
+        with torch.cuda.stream(self.stream):
+            out = self.load(item)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return out, done
+
+    def __iter__(self):
+        if not self.cuda:
+            yield from (self.load(item) for item in self.items)
+            return
+        queue = []
+        try:
+            while True:
+                while len(queue) < self.ahead:
+                    item = next(self.items, None)
+                    if item is None:
+                        break
+                    queue.append(self.pool.submit(self._load_on_stream, item))
+                if not queue:
+                    return
+                out, done = queue.pop(0).result()
+                current = torch.cuda.current_stream()
+                current.wait_event(done)
+                for t in _tensors(out):
+                    t.record_stream(current)  # its memory came from the worker's stream
+                yield out
+        finally:
+            for f in queue:
+                f.cancel()
+            self.pool.shutdown(wait=True)
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+
+
 @torch.no_grad()
 def evaluate_heldout(module: DrafterTTT, source, indices, batch_tokens, device, dtype, autocast) -> dict:
     module.eval()
@@ -327,7 +398,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     if world > 1:
         wrapped = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), fused=cuda)
     per_epoch = len(global_batches(train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed, epoch=0))
     total = max(1, int(math.ceil(cfg.epochs * per_epoch)))
     if cfg.max_steps:
@@ -365,58 +436,70 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     task = bar.add_task("train", total=total, completed=step, stats="")
     tokens_seen, t0 = 0, time.perf_counter()
     last_eval: dict = history[-1] if history else {}
-    # Located once (a resume may start mid-epoch), then walked forward one epoch at a time.
-    epoch, pos, batches = batches_at(step, train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed)
+
+    def load(gb):
+        samples = argmax_cache.get(gb[rank::world] or gb[:1])
+        return sum(len(s["input_ids"]) for s in samples), _to(samples, device, dtype)
+
+    def show(done):
+        """A finished step's figures, read while the next step is already queued on a GPU."""
+        at, loss, correct0, counted, gnorm, lr = done
+        loss, counted = loss.item(), float(counted)
+        acc0 = float(correct0) / counted if counted else 0.0
+        rate = tokens_seen / max(1e-9, time.perf_counter() - t0)
+        bar.update(task, completed=at, stats=f"loss {loss:.3f} acc0 {acc0:.2f} {rate:,.0f} tok/s")
+        if tb is not None:
+            tb.add_scalar("train/loss", loss, at)
+            tb.add_scalar("train/lr", lr, at)
+            tb.add_scalar("train/grad_norm", float(gnorm), at)
+            tb.add_scalar("train/tokens_per_s", rate, at)
+
+    # A resume may start mid-epoch: step_batches locates the step, then walks the epochs forward.
+    schedule = step_batches(step, total, train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed)
+    pending = None
     with bar:
-        while step < total:
-            if pos >= len(batches):
-                epoch, pos = epoch + 1, 0
-                batches = global_batches(train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed, epoch=epoch)
-            for gb in batches[pos:]:
-                if step >= total:
-                    break
-                mine = gb[rank::world] or gb[:1]
-                samples = argmax_cache.get(mine)
-                with autocast():
-                    loss, correct, _, counted = wrapped(*_to(samples, device, dtype))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                opt.step()
-                sched.step()
-                step += 1
-                tokens_seen += sum(len(s["input_ids"]) for s in samples) * world
-                rate = tokens_seen / max(1e-9, time.perf_counter() - t0)
-                acc0 = float(correct[0] / counted) if counted else 0.0
-                bar.update(task, advance=1, stats=f"loss {loss.item():.3f} acc0 {acc0:.2f} {rate:,.0f} tok/s")
-                if tb is not None:
-                    tb.add_scalar("train/loss", loss.item(), step)
-                    tb.add_scalar("train/lr", sched.get_last_lr()[0], step)
-                    tb.add_scalar("train/grad_norm", float(gnorm), step)
-                    tb.add_scalar("train/tokens_per_s", rate, step)
-                if heldout and (step % cfg.eval_every == 0 or step == total):
-                    last_eval = {"step": step, **evaluate_heldout(module, argmax_cache, heldout, cfg.batch_tokens,
-                                                                  device, dtype, autocast)}
-                    history.append(last_eval)
-                    if rank == 0:
-                        bar.console.print(
-                            f"[eval step {step}] simulated acceptance length "
-                            f"{last_eval.get('simulated_acceptance_length', 0):.2f} "
-                            f"(k=5: {last_eval.get('simulated_acceptance_length_k5', 0):.2f}; as the engine "
-                            f"steps: {last_eval.get('walked_acceptance_length_k5', 0):.2f}), per-position accuracy "
-                            f"{last_eval.get('per_position_accuracy')}")
-                        if tb is not None:
-                            tb.add_scalar("eval/simulated_acceptance_length",
-                                          last_eval.get("simulated_acceptance_length", 0), step)
-                            tb.add_scalar("eval/walked_acceptance_length_k5",
-                                          last_eval.get("walked_acceptance_length_k5", 0), step)
-                            for i, a in enumerate(last_eval.get("per_position_accuracy", [])):
-                                tb.add_scalar(f"eval/accuracy_pos{i}", a, step)
-                if rank == 0 and (step % cfg.save_every == 0 or step == total):
-                    save_checkpoint(out, step, drafter, opt, sched,
-                                    {"step": step, "total": total, "history": history, "config": asdict(cfg)},
-                                    cfg.keep_checkpoints)
-            pos = len(batches)  # this epoch is done
+        for n_tokens, inputs in Prefetch(load, schedule, device):
+            with autocast():
+                loss, correct, _, counted = wrapped(*inputs)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            tokens_seen += n_tokens * world
+            if pending is not None:
+                show(pending)
+            pending = (step, loss.detach(), correct[0], counted, gnorm, sched.get_last_lr()[0])
+            evaluate = heldout and (step % cfg.eval_every == 0 or step == total)
+            save = rank == 0 and (step % cfg.save_every == 0 or step == total)
+            if evaluate or save:
+                show(pending)
+                pending = None
+            if evaluate:
+                last_eval = {"step": step, **evaluate_heldout(module, argmax_cache, heldout, cfg.batch_tokens,
+                                                              device, dtype, autocast)}
+                history.append(last_eval)
+                if rank == 0:
+                    bar.console.print(
+                        f"[eval step {step}] simulated acceptance length "
+                        f"{last_eval.get('simulated_acceptance_length', 0):.2f} "
+                        f"(k=5: {last_eval.get('simulated_acceptance_length_k5', 0):.2f}; as the engine "
+                        f"steps: {last_eval.get('walked_acceptance_length_k5', 0):.2f}), per-position accuracy "
+                        f"{last_eval.get('per_position_accuracy')}")
+                    if tb is not None:
+                        tb.add_scalar("eval/simulated_acceptance_length",
+                                      last_eval.get("simulated_acceptance_length", 0), step)
+                        tb.add_scalar("eval/walked_acceptance_length_k5",
+                                      last_eval.get("walked_acceptance_length_k5", 0), step)
+                        for i, a in enumerate(last_eval.get("per_position_accuracy", [])):
+                            tb.add_scalar(f"eval/accuracy_pos{i}", a, step)
+            if save:
+                save_checkpoint(out, step, drafter, opt, sched,
+                                {"step": step, "total": total, "history": history, "config": asdict(cfg)},
+                                cfg.keep_checkpoints)
+        if pending is not None:
+            show(pending)
     if world > 1:
         dist.barrier()
     summary = {"steps": step, "tokens_per_s": tokens_seen / max(1e-9, time.perf_counter() - t0),

@@ -55,16 +55,21 @@ class Batch:
 
     @classmethod
     def collate(cls, samples: list[dict], device) -> "Batch":
+        """Pad and stack on the host, then copy to `device`; to a GPU from pinned memory without
+        blocking (the copy is ordered on the current stream like any kernel)."""
         L = max(len(s["input_ids"]) for s in samples)
         B = len(samples)
         d_aux = samples[0]["aux_hidden"].shape[-1]
         d_last = samples[0]["last_hidden"].shape[-1]
         dt = samples[0]["aux_hidden"].dtype
-        ids = torch.zeros(B, L, dtype=torch.long)
-        mask = torch.zeros(B, L, dtype=torch.bool)
-        valid = torch.zeros(B, L, dtype=torch.bool)
-        aux = torch.zeros(B, L, d_aux, dtype=dt)
-        last = torch.zeros(B, L, d_last, dtype=dt)
+        pin = torch.device(device).type == "cuda"
+        ids = torch.zeros(B, L, dtype=torch.long, pin_memory=pin)
+        mask = torch.zeros(B, L, dtype=torch.bool, pin_memory=pin)
+        valid = torch.zeros(B, L, dtype=torch.bool, pin_memory=pin)
+        aux = torch.zeros(B, L, d_aux, dtype=dt, pin_memory=pin)
+        last = torch.zeros(B, L, d_last, dtype=dt, pin_memory=pin)
+        top = torch.full((B, L), -1, dtype=torch.long, pin_memory=pin)
+        known = all("target_argmax" in s for s in samples)
         for b, s in enumerate(samples):
             n = len(s["input_ids"])
             ids[b, :n] = torch.as_tensor(s["input_ids"]).long()
@@ -72,13 +77,13 @@ class Batch:
             valid[b, :n] = True
             aux[b, :n] = s["aux_hidden"]
             last[b, :n] = s["last_hidden"]
-        top = None
-        if all("target_argmax" in s for s in samples):
-            top = torch.full((B, L), -1, dtype=torch.long)
-            for b, s in enumerate(samples):
-                top[b, : len(s["input_ids"])] = s["target_argmax"].long()
-            top = top.to(device)
-        return cls(ids.to(device), mask.to(device), aux.to(device), last.to(device), valid.to(device), top)
+            if known:
+                top[b, :n] = s["target_argmax"].long()
+
+        def move(t):
+            return t.to(device, non_blocking=pin)
+
+        return cls(move(ids), move(mask), move(aux), move(last), move(valid), move(top) if known else None)
 
 
 @torch.no_grad()
@@ -132,11 +137,17 @@ class TargetArgmaxCache:
 
     def get(self, indices: list[int]) -> list[dict]:
         samples = self.source.get(indices)
+        new = {}
         for i, s in zip(indices, samples):
-            if i not in self.known:
+            if i not in self.known and i not in new:
+                # Sample by sample, so a value never depends on which batch first drew the sample
+                # (an exact --resume recomputes it in another batch); read back once per batch.
                 rows = torch.as_tensor(s["loss_mask"]).bool().roll(-1, 0)[None].to(self.device)
-                last = s["last_hidden"][None].to(self.device)
-                self.known[i] = target_argmax(self.head, last, rows)[0].to("cpu", torch.int32)
+                new[i] = target_argmax(self.head, s["last_hidden"][None].to(self.device), rows)[0].to(torch.int32)
+        if new:
+            host = torch.cat(list(new.values())).cpu().split([len(t) for t in new.values()])
+            self.known.update(zip(new, host))
+        for i, s in zip(indices, samples):
             s["target_argmax"] = self.known[i]
         return samples
 
@@ -171,6 +182,9 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
     # the vocab's coverage at every position).
     eligible = batch.loss_mask & batch.valid
     scored = eligible & in_vocab.roll(1, dims=1)
+    # Every step reads shifted views of these; nothing [B, L, Vd] is copied or zero-padded per step.
+    p_target = logp_target.exp()
+    top_target = logp_target.argmax(-1)  # shape: [B, L]
     loss = torch.zeros((), device=dev)
     correct, step_correct = [], []
     counted = torch.zeros((), device=dev)
@@ -179,40 +193,35 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
     if feature_weight > 0:
         want = head.normed(batch.last_hidden)  # shape: [B, L, H]; scored where `needed`, as the CE
     for s, (logits, out) in enumerate(ttt_unroll_states(raw, batch.input_ids, batch.aux_hidden, steps)):
-        n = L - 2 - s  # indices t with a target at t + 2 + s
+        n = L - 2 - s  # indices t < n have a target at t + 2 + s
         if n <= 0:
             correct.append(torch.zeros((), device=dev))
             step_correct.append(torch.zeros((), device=dev))
             continue
-        tgt = torch.zeros_like(logp_target)
-        tgt[:, :n] = logp_target[:, 1 + s : 1 + s + n]  # from last_hidden[t+1+s]
-        m = torch.zeros_like(scored)
-        m[:, :n] = scored[:, 2 + s : 2 + s + n]
+        m = scored[:, 2 + s : 2 + s + n]  # shape: [B, n]
         w = m.float()
         denom = w.sum().clamp(min=1.0)
-        logp = F.log_softmax(logits.float(), -1)
-        ce = -(tgt.exp() * logp).sum(-1)  # soft cross-entropy, shape: [B, L]
+        logp = F.log_softmax(logits[:, :n].float(), -1)
+        ce = -(p_target[:, 1 + s : 1 + s + n] * logp).sum(-1)  # soft cross-entropy vs last_hidden[t+1+s]
         loss = loss + (decay**s) * (ce * w).sum() / denom
         if feature_weight > 0:
-            fw = torch.zeros_like(w)
-            fw[:, :n] = needed[:, 1 + s : 1 + s + n].float()
-            tgt_h = torch.zeros_like(want)
-            tgt_h[:, :n] = want[:, 1 + s : 1 + s + n]
-            err = (raw.norm(out).float() - tgt_h).pow(2).sum(-1) / tgt_h.pow(2).sum(-1).clamp(min=1e-6)
+            fw = needed[:, 1 + s : 1 + s + n].float()
+            tgt_h = want[:, 1 + s : 1 + s + n]
+            err = (raw.norm(out[:, :n]).float() - tgt_h).pow(2).sum(-1) / tgt_h.pow(2).sum(-1).clamp(min=1e-6)
             loss = loss + feature_weight * (decay**s) * (err * fw).sum() / fw.sum().clamp(min=1.0)
         with torch.no_grad():
-            right = (logits.argmax(-1) == tgt.argmax(-1)) & m
+            right = (logits[:, :n].argmax(-1) == top_target[:, 1 + s : 1 + s + n]) & m  # shape: [B, n]
             if s == 0:
                 base[:, :n] = eligible[:, 2 : 2 + n]
                 counted = base.sum().float()
-                alive = right.clone()
+                alive = right
             else:
                 # Chain acceptance as a greedy target would give it: every step <= s right.
-                alive = alive & right
-            correct.append((alive & base).sum().float())
+                alive = alive[:, :n] & right
+            correct.append((alive & base[:, :n]).sum().float())
             step_correct.append(right.sum().float())
             if walk:
-                depth += alive & base
+                depth[:, :n] += alive & base[:, :n]
     return TTTOutput(loss, torch.stack(correct), torch.stack(step_correct), counted, depth, base if walk else None)
 
 

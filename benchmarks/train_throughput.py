@@ -1,0 +1,157 @@
+"""Drafter training throughput of `specdec train` itself, data path and evaluations included.
+
+A SmolLM2-135M-shaped target (random bf16 weights, built on the device, no download) and a
+synthetic capture written by the capture store (ShareGPT-like lengths: a 20-170 token prompt and
+an answer of up to 256 tokens, random hidden states), trained with the GPU quickstart's settings
+(4,096 tokens per batch, TTT 7, draft vocab 16,384, lr 1e-3) for a fixed number of optimizer
+steps. Rows:
+
+  steps      no held-out evaluation, no checkpoints: the training step and its data path
+  quickstart as the quickstart trains: held-out evaluation every 100 steps, a checkpoint every 200
+
+Each row reports tokens/s and ms per step as `train` measures them (the summary's rate), and
+MFU against the H200's dense bf16 peak (989 TFLOP/s), FLOPs counted as in throughput_8b.py.
+Then a torch.profiler table of a few steps: device busy time against wall time, the top ops.
+
+  python benchmarks/train_throughput.py --out $OUT
+  python benchmarks/train_throughput.py --src /tmp/old/src --out $OUT --tag before   # another tree
+  python benchmarks/train_throughput.py --cpu-size --samples 200 --steps 60 --rows steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "src"), help="specdec source tree")
+ap.add_argument("--samples", type=int, default=1200)
+ap.add_argument("--steps", type=int, default=400)
+ap.add_argument("--rows", default="steps,quickstart")
+ap.add_argument("--profile-steps", type=int, default=12)
+ap.add_argument("--tag", default="this tree")
+ap.add_argument("--cpu-size", action="store_true",
+                help="the CPU quickstart's settings on the CPU: 256 tokens per batch, TTT 4, draft vocab 2,048")
+ap.add_argument("--tiny", action="store_true", help="CPU smoke run: small shapes, few steps")
+ap.add_argument("--out", default=None)
+args = ap.parse_args()
+sys.path.insert(0, args.src)
+
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from specdec.capture.store import CaptureStore, add_shard, open_or_create_manifest, write_shard  # noqa: E402
+from specdec.models.target import Target  # noqa: E402
+from specdec.train.data import OfflineSource  # noqa: E402
+from specdec.train.loop import TrainConfig, train  # noqa: E402
+
+H200_BF16_PEAK = 989.4e12
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+               num_hidden_layers=30, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
+               eos_token_id=2)
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            num_hidden_layers=4, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=True,
+            eos_token_id=2)
+
+
+def synthetic_capture(directory: Path, cfg, n: int, g: torch.Generator) -> CaptureStore:
+    H, V = cfg.hidden_size, cfg.vocab_size
+    identity = {"target_fingerprint": "random", "aux_layer_ids": [2, 15, 27], "layer_convention": "eagle",
+                "last_state": "pre_norm", "hidden_size": H, "tokenizer_fingerprint": "none", "dtype": "bfloat16",
+                "max_length": 2048}
+    open_or_create_manifest(directory, identity)
+    # Zipf-like token ids: a draft vocab built from counts then covers most tokens, as on real text.
+    weights = 1.0 / torch.arange(1, V + 1, dtype=torch.float64)
+    per_shard = 300
+    for s0 in range(0, n, per_shard):
+        samples, ids = [], []
+        for i in range(s0, min(n, s0 + per_shard)):
+            prompt = int(torch.randint(20, 170, (1,), generator=g))
+            answer = 256 if torch.rand(1, generator=g) < 0.6 else int(torch.randint(30, 256, (1,), generator=g))
+            T = prompt + answer
+            mask = torch.zeros(T, dtype=torch.uint8)
+            mask[prompt:] = 1
+            samples.append({"input_ids": torch.multinomial(weights, T, replacement=True, generator=g).int(),
+                            "loss_mask": mask,
+                            "aux_hidden": torch.randn(T, 3 * H, generator=g).bfloat16(),
+                            "last_hidden": torch.randn(T, H, generator=g).bfloat16()})
+            ids.append(f"s{i}")
+        add_shard(directory, write_shard(directory / f"shard-{s0 // per_shard:05d}.safetensors", samples, ids))
+    return CaptureStore(directory)
+
+
+def flops_per_token(cfg, ttt: int, vocab: int, ctx: float) -> float:
+    """3x (forward): fc once, the layer and lm_head once per TTT step, attention over ~ctx keys."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    hd = H // cfg.num_attention_heads
+    kv = cfg.num_key_value_heads * hd
+    layer = 2 * H * H + 2 * (2 * H) * kv + H * H + 3 * H * I  # q (reads 2H), k, v (2H), o, MLP
+    attn = sum(4.0 * (ctx + s) * cfg.num_attention_heads * hd for s in range(ttt))
+    return 3.0 * (2.0 * 3 * H * H + ttt * 2.0 * (layer + vocab * H) + attn)
+
+
+def main() -> None:
+    dev = "cuda" if torch.cuda.is_available() and not (args.tiny or args.cpu_size) else "cpu"
+    cfg = LlamaConfig(**(TINY if args.tiny else SMOLLM2))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(dev, torch.bfloat16 if dev == "cuda" else torch.float32)
+    target = Target(model, None, name="smollm2-shapes", aux_layer_ids=[2, cfg.num_hidden_layers // 2,
+                                                                       cfg.num_hidden_layers - 3])
+    vocab, steps = (128, 20) if args.tiny else (16384, args.steps)
+    batch_tokens, ttt = 4096, 7
+    if args.cpu_size:
+        vocab, batch_tokens, ttt = 2048, 256, 4
+    work = Path(tempfile.mkdtemp(prefix="train_tp_"))
+    t = time.perf_counter()
+    store = synthetic_capture(work / "capture", cfg, 120 if args.tiny else args.samples, torch.Generator().manual_seed(0))
+    lengths = store.lengths()
+    print(f"[{args.tag}] capture: {len(store)} samples, {sum(lengths):,} tokens ({time.perf_counter() - t:.0f} s)",
+          flush=True)
+    ctx = sum(n * n / 2 for n in lengths) / sum(lengths)
+    fpt = flops_per_token(cfg, ttt, vocab, ctx)
+    results = []
+    for row in args.rows.split(","):
+        evals = dict(eval_every=100, save_every=200) if row == "quickstart" else dict(eval_every=10**9,
+                                                                                     save_every=10**9)
+        tc = TrainConfig(out=str(work / row), epochs=100.0, max_steps=steps, lr=1e-3, batch_tokens=batch_tokens,
+                         ttt_steps=ttt, draft_vocab_size=vocab, **evals)
+        if row != "quickstart":
+            tc.eval_percent = 0.0
+        s = train(target, OfflineSource(store), tc, target_name="smollm2-shapes", progress=False)
+        tok_s = s["tokens_per_s"]
+        r = {"tag": args.tag, "row": row, "device": dev, "steps": s["steps"], "tokens_per_s": tok_s,
+             "flops_per_token": fpt, "mfu": tok_s * fpt / H200_BF16_PEAK}
+        results.append(r)
+        print(f"[{args.tag}] {row}: {tok_s:,.0f} tok/s over {s['steps']} steps, MFU {r['mfu']:.1%}"
+              f" ({fpt / 1e9:.2f} GFLOP per token)", flush=True)
+    if args.profile_steps and dev == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        tc = TrainConfig(out=str(work / "profile"), epochs=100.0, max_steps=args.profile_steps, lr=1e-3,
+                         batch_tokens=4096, ttt_steps=7, draft_vocab_size=vocab, eval_every=10**9,
+                         save_every=10**9, eval_percent=0.0)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            train(target, OfflineSource(store), tc, target_name="smollm2-shapes", progress=False)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        ka = prof.key_averages()
+        busy = sum(e.self_device_time_total for e in ka) / 1e6
+        print(f"[{args.tag}] profile of {args.profile_steps} steps (drafter built, vocab counted, drafter saved "
+              f"included): wall {wall:.2f} s, device busy {busy:.2f} s", flush=True)
+        print(ka.table(sort_by="self_device_time_total", row_limit=25), flush=True)
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    if args.out:
+        path = Path(args.out) / "train_throughput.jsonl"
+        with open(path, "a") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

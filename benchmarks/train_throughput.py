@@ -86,10 +86,10 @@ def synthetic_capture(directory: Path, cfg, n: int, g: torch.Generator) -> Captu
 
 def flops_per_token(cfg, ttt: int, vocab: int, ctx: float) -> float:
     """3x (forward): fc once, the layer and lm_head once per TTT step, attention over ~ctx keys."""
-    H, I = cfg.hidden_size, cfg.intermediate_size
+    H, inter = cfg.hidden_size, cfg.intermediate_size
     hd = H // cfg.num_attention_heads
     kv = cfg.num_key_value_heads * hd
-    layer = 2 * H * H + 2 * (2 * H) * kv + H * H + 3 * H * I  # q (reads 2H), k, v (2H), o, MLP
+    layer = 2 * H * H + 2 * (2 * H) * kv + H * H + 3 * H * inter  # q (reads 2H), k, v (2H), o, MLP
     attn = sum(4.0 * (ctx + s) * cfg.num_attention_heads * hd for s in range(ttt))
     return 3.0 * (2.0 * 3 * H * H + ttt * 2.0 * (layer + vocab * H) + attn)
 
@@ -107,7 +107,8 @@ def main() -> None:
         vocab, batch_tokens, ttt = 2048, 256, 4
     work = Path(tempfile.mkdtemp(prefix="train_tp_"))
     t = time.perf_counter()
-    store = synthetic_capture(work / "capture", cfg, 120 if args.tiny else args.samples, torch.Generator().manual_seed(0))
+    n = 120 if args.tiny else args.samples
+    store = synthetic_capture(work / "capture", cfg, n, torch.Generator().manual_seed(0))
     lengths = store.lengths()
     print(f"[{args.tag}] capture: {len(store)} samples, {sum(lengths):,} tokens ({time.perf_counter() - t:.0f} s)",
           flush=True)

@@ -181,6 +181,31 @@ case "$1" in
       grep "^\[" "$OUT/train_throughput_${tree##*:}.log"
     done
     ;;
+  tc)
+    # The compiled training step: its tests, then its throughput; stages SmolLM2's first half and
+    # the 14,000-prompt drafter's first piece (.devdata/dt/d1) for tt.
+    cp .devdata/p1/part0 .devdata/dt/d1 /root/m/ && mkdir -p "$SPECDEC_HOME/data" && cp .devdata/home/data/mt-bench.* "$SPECDEC_HOME/data/"
+    timeout "${TC_TEST_S:-200}" python3 -m pytest -q -x tests/test_train.py -k "cuda or steps_walk" 2>&1 | tail -4 | tee "$OUT/train_tests_cuda.log"
+    timeout "${TP_S:-330}" python3 benchmarks/train_throughput.py --tag compiled --steps "${TP_STEPS:-300}" --rows steps,steps \
+      --out "$OUT" 2>&1 | grep -v "Warning\|warn" > "$OUT/train_throughput_compiled.log"
+    grep "^\[" "$OUT/train_throughput_compiled.log"
+    ;;
+  tt)
+    # Trees with the 14,000-prompt drafter: acceptance length and tok/s on 10 MT-Bench first turns.
+    [ -f /root/m/d1 ] || { echo "the drafter's first piece is missing: the machine was replaced"; exit 3; }
+    assemble_smollm2
+    cat /root/m/d1 .devdata/dt/d2 > /root/drafter.tar && tar -C /root -xf /root/drafter.tar || exit 5
+    for tree in ${TREES:-6,8,48 8,8,64 10,8,96}; do
+      IFS=, read -r depth topk tokens <<< "$tree"
+      timeout "${TREE_S:-150}" python3 -m specdec eval --target smollm2-135m-instruct --drafter /root/drafter-home \
+        --limit 10 --max-new-tokens 256 --tree-depth "$depth" --tree-top-k "$topk" --tree-tokens "$tokens" \
+        ${PLAIN:+--compare-plain} --no-progress --json > "$OUT/eval_14k_tree_${depth}-${topk}-${tokens}.json" \
+        2> "$OUT/eval_14k_tree_${depth}-${topk}-${tokens}.log"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], {k: d.get(k) for k in
+        ('mean_acceptance_length', 'tokens_per_s', 'plain_tokens_per_s', 'speedup')})" \
+        "$OUT/eval_14k_tree_${depth}-${topk}-${tokens}.json" "$tree" || tail -3 "$OUT/eval_14k_tree_${depth}-${topk}-${tokens}.log"
+    done
+    ;;
   bd1)
     stage_first_half
     timeout 240 python3 -m pytest -q tests/test_batch_decode.py 2>&1 | tail -3

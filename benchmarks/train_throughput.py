@@ -8,6 +8,7 @@ steps. Rows:
 
   steps      no held-out evaluation, no checkpoints: the training step and its data path (on a GPU
              the first such row includes compiling the step; the second finds inductor's caches warm)
+  eager      as steps, the step not compiled (--compile off)
   quickstart as the quickstart trains: held-out evaluation every 100 steps, a checkpoint every 200
 
 Each row reports tokens/s and ms per step as `train` measures them (the summary's rate), and
@@ -120,7 +121,7 @@ def main() -> None:
         evals = dict(eval_every=100, save_every=200) if row == "quickstart" else dict(eval_every=10**9,
                                                                                      save_every=10**9)
         tc = TrainConfig(out=str(work / row), epochs=100.0, max_steps=steps, lr=1e-3, batch_tokens=batch_tokens,
-                         ttt_steps=ttt, draft_vocab_size=vocab, **evals)
+                         ttt_steps=ttt, draft_vocab_size=vocab, compile=False if row == "eager" else None, **evals)
         if row != "quickstart":
             tc.eval_percent = 0.0
         s = train(target, OfflineSource(store), tc, target_name="smollm2-shapes", progress=False)
@@ -135,7 +136,7 @@ def main() -> None:
 
         tc = TrainConfig(out=str(work / "profile"), epochs=100.0, max_steps=args.profile_steps, lr=1e-3,
                          batch_tokens=4096, ttt_steps=7, draft_vocab_size=vocab, eval_every=10**9,
-                         save_every=10**9, eval_percent=0.0)
+                         save_every=10**9, eval_percent=0.0, compile=False)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()

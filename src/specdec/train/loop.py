@@ -75,19 +75,36 @@ class DrafterTTT(nn.Module):
         # A small drafter's step is thousands of small kernels, each launched from Python; compiled,
         # the elementwise chains fuse. Dynamic shapes: batches vary in rows and length, one compile
         # serves them all. Training steps only: evaluation (walk) stays eager, it runs rarely.
-        self.compiled = torch.compile(ttt_loss, dynamic=True) if compile else None
+        self.compiled = torch.compile(ttt_loss, dynamic=True, options=_inductor_options()) if compile else None
 
     def forward(self, input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax=None, walk=False):
         """(loss, correct, step_correct, counted), and with `walk` the engine's walk over the batch
         at k = steps and k = 5 as tokens [2] and steps [2] (`walk_acceptance`)."""
-        loss_fn = self.compiled if self.compiled is not None and not walk else ttt_loss
-        out = loss_fn(self.drafter, Batch(input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax),
-                      self.head, steps=self.steps, decay=self.decay, feature_weight=self.feature_weight, walk=walk)
+        batch = Batch(input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax)
+        kw = dict(steps=self.steps, decay=self.decay, feature_weight=self.feature_weight, walk=walk)
+        out = None
+        if self.compiled is not None and not walk:
+            try:
+                out = self.compiled(self.drafter, batch, self.head, **kw)
+            except Exception as e:  # a compiler bug must not cost the run: the eager step is the same math
+                log(f"specdec train: compiling the training step failed ({type(e).__name__}: "
+                    f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else 'no message'}); training eagerly")
+                self.compiled = None
+        if out is None:
+            out = ttt_loss(self.drafter, batch, self.head, **kw)
         if not walk:
             return out.loss, out.correct, out.step_correct, out.counted
         walks = [walk_acceptance(out.depth, out.starts, k) for k in (self.steps, 5)]
         return (out.loss, out.correct, out.step_correct, out.counted,
                 torch.tensor([w[0] for w in walks]), torch.tensor([w[1] for w in walks]))
+
+
+def _inductor_options() -> dict:
+    """torch 2.11's inductor asserts in its coalescing analysis on some dynamic-shape reductions of
+    this loss (SmolLM2-sized drafter, H200); later versions skip that analysis for dynamic shapes."""
+    from torch._inductor import config
+
+    return {"triton.coalesce_tiling_analysis": False} if hasattr(config.triton, "coalesce_tiling_analysis") else {}
 
 
 def dist_env() -> tuple[int, int]:

@@ -182,17 +182,16 @@ case "$1" in
     done
     ;;
   tc)
-    # The compiled training step: its tests, then its throughput; stages SmolLM2's first half and
-    # the 14,000-prompt drafter's first piece (.devdata/dt/d1) for tt.
+    # The training loop's CUDA tests, then its throughput; stages SmolLM2's first half and the
+    # 14,000-prompt drafter's first piece (.devdata/dt/d1) for tt when they are carried.
     if [ -f .devdata/dt/d1 ]; then
       cp .devdata/p1/part0 .devdata/dt/d1 /root/m/ && mkdir -p "$SPECDEC_HOME/data" && cp .devdata/home/data/mt-bench.* "$SPECDEC_HOME/data/"
     fi
     timeout "${TC_TEST_S:-200}" python3 -m pytest -q -x tests/test_train.py -k "cuda or steps_walk" > "$OUT/train_tests_cuda.log" 2>&1
     tail -3 "$OUT/train_tests_cuda.log"
-    timeout "${TP_S:-330}" python3 benchmarks/train_throughput.py --tag compiled --steps "${TP_STEPS:-300}" \
-      --rows "${TP_ROWS:-eager,steps,steps}" --profile-steps 0 \
-      --out "$OUT" 2>&1 | grep -v "Warning\|warn" > "$OUT/train_throughput_compiled.log"
-    grep "^\[" "$OUT/train_throughput_compiled.log"
+    timeout "${TP_S:-330}" python3 benchmarks/train_throughput.py --steps "${TP_STEPS:-300}" --rows "${TP_ROWS:-steps}" \
+      --profile-steps 0 --out "$OUT" 2>&1 | grep -v "Warning\|warn" > "$OUT/train_throughput_tc.log"
+    grep "^\[" "$OUT/train_throughput_tc.log"
     ;;
   tt)
     # Trees with the 14,000-prompt drafter: acceptance length and tok/s on 10 MT-Bench first turns.

@@ -6,9 +6,7 @@ an answer of up to 256 tokens, random hidden states), trained with the GPU quick
 (4,096 tokens per batch, TTT 7, draft vocab 16,384, lr 1e-3) for a fixed number of optimizer
 steps. Rows:
 
-  steps      no held-out evaluation, no checkpoints: the training step and its data path (on a GPU
-             the first such row includes compiling the step; the second finds inductor's caches warm)
-  eager      as steps, the step not compiled (--compile off)
+  steps      no held-out evaluation, no checkpoints: the training step and its data path
   quickstart as the quickstart trains: held-out evaluation every 100 steps, a checkpoint every 200
 
 Each row reports tokens/s and ms per step as `train` measures them (the summary's rate), and
@@ -33,7 +31,7 @@ ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDe
 ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "src"), help="specdec source tree")
 ap.add_argument("--samples", type=int, default=1200)
 ap.add_argument("--steps", type=int, default=400)
-ap.add_argument("--rows", default="steps,steps,quickstart")
+ap.add_argument("--rows", default="steps,quickstart")
 ap.add_argument("--profile-steps", type=int, default=12)
 ap.add_argument("--tag", default="this tree")
 ap.add_argument("--cpu-size", action="store_true",
@@ -121,7 +119,7 @@ def main() -> None:
         evals = dict(eval_every=100, save_every=200) if row == "quickstart" else dict(eval_every=10**9,
                                                                                      save_every=10**9)
         tc = TrainConfig(out=str(work / row), epochs=100.0, max_steps=steps, lr=1e-3, batch_tokens=batch_tokens,
-                         ttt_steps=ttt, draft_vocab_size=vocab, compile=False if row == "eager" else None, **evals)
+                         ttt_steps=ttt, draft_vocab_size=vocab, **evals)
         if row != "quickstart":
             tc.eval_percent = 0.0
         s = train(target, OfflineSource(store), tc, target_name="smollm2-shapes", progress=False)
@@ -136,7 +134,7 @@ def main() -> None:
 
         tc = TrainConfig(out=str(work / "profile"), epochs=100.0, max_steps=args.profile_steps, lr=1e-3,
                          batch_tokens=4096, ttt_steps=7, draft_vocab_size=vocab, eval_every=10**9,
-                         save_every=10**9, eval_percent=0.0, compile=False)
+                         save_every=10**9, eval_percent=0.0)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()

@@ -68,10 +68,6 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="matrix products (weights and AdamW stay fp32); auto: bf16 on a GPU and on CPUs "
                         "with native bf16 (AVX512-BF16/AMX), else fp32 (default: auto)")
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                   help="compile the training step with torch.compile (dynamic shapes, compiled once, ~1-2 "
-                        "minutes): auto = on a GPU, where a small drafter's step is bound by launching its "
-                        "thousands of small kernels (default: auto)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     p.set_defaults(func=run)
 
@@ -138,8 +134,7 @@ def run(args) -> int:
                       max_steps=args.max_steps, rebuild_vocab=args.rebuild_vocab,
                       norm_before_residual=args.norm_before_residual, intermediate_size=args.intermediate_size,
                       init_layer=parse_init_layer(args.init_layer),
-                      bf16=None if args.dtype == "auto" else args.dtype == "bf16",
-                      compile=None if args.compile == "auto" else args.compile == "on")
+                      bf16=None if args.dtype == "auto" else args.dtype == "bf16")
     summary = train(target, source, cfg, init=args.init, resume=args.resume, target_name=str(args.target))
     if int(os.environ.get("RANK", 0)) == 0:
         if args.json:

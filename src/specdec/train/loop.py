@@ -59,7 +59,6 @@ class TrainConfig:
     init_layer: str | int = "auto"
     init_embed_half: str = "zero"  # the query/key/value columns that read the token: "zero" or "copy"
     bf16: bool | None = None  # bf16 autocast; None: where precision.compute_dtype says bf16
-    compile: bool | None = None  # torch.compile the TTT loss; None: on CUDA (see DrafterTTT)
     extra: dict = field(default_factory=dict)
 
 
@@ -67,44 +66,22 @@ class DrafterTTT(nn.Module):
     """The drafter plus its TTT loss as one module, so DDP sees a plain forward."""
 
     def __init__(self, drafter: Eagle3Drafter, head: TargetHead, steps: int, decay: float,
-                 feature_weight: float = 0.0, compile: bool = False):
+                 feature_weight: float = 0.0):
         super().__init__()
         self.drafter = drafter
         self.head = head  # not a parameter or buffer: frozen, never synchronised
         self.steps, self.decay, self.feature_weight = steps, decay, feature_weight
-        # A small drafter's step is thousands of small kernels, each launched from Python; compiled,
-        # the elementwise chains fuse. Dynamic shapes: batches vary in rows and length, one compile
-        # serves them all. Training steps only: evaluation (walk) stays eager, it runs rarely.
-        self.compiled = torch.compile(ttt_loss, dynamic=True, options=_inductor_options()) if compile else None
 
     def forward(self, input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax=None, walk=False):
         """(loss, correct, step_correct, counted), and with `walk` the engine's walk over the batch
         at k = steps and k = 5 as tokens [2] and steps [2] (`walk_acceptance`)."""
-        batch = Batch(input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax)
-        kw = dict(steps=self.steps, decay=self.decay, feature_weight=self.feature_weight, walk=walk)
-        out = None
-        if self.compiled is not None and not walk:
-            try:
-                out = self.compiled(self.drafter, batch, self.head, **kw)
-            except Exception as e:  # a compiler bug must not cost the run: the eager step is the same math
-                log(f"specdec train: compiling the training step failed ({type(e).__name__}: "
-                    f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else 'no message'}); training eagerly")
-                self.compiled = None
-        if out is None:
-            out = ttt_loss(self.drafter, batch, self.head, **kw)
+        out = ttt_loss(self.drafter, Batch(input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax),
+                       self.head, steps=self.steps, decay=self.decay, feature_weight=self.feature_weight, walk=walk)
         if not walk:
             return out.loss, out.correct, out.step_correct, out.counted
         walks = [walk_acceptance(out.depth, out.starts, k) for k in (self.steps, 5)]
         return (out.loss, out.correct, out.step_correct, out.counted,
                 torch.tensor([w[0] for w in walks]), torch.tensor([w[1] for w in walks]))
-
-
-def _inductor_options() -> dict:
-    """torch 2.11's inductor asserts in its coalescing analysis on some dynamic-shape reductions of
-    this loss (SmolLM2-sized drafter, H200); later versions skip that analysis for dynamic shapes."""
-    from torch._inductor import config
-
-    return {"triton.coalesce_tiling_analysis": False} if hasattr(config.triton, "coalesce_tiling_analysis") else {}
 
 
 def dist_env() -> tuple[int, int]:
@@ -415,10 +392,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         copy_target_embedding(drafter, target)
     drafter.to(device)
     head = TargetHead.from_target(target).to(device)
-    compiled = cuda if cfg.compile is None else cfg.compile
-    if compiled:
-        log("specdec train: compiling the training step on its first batch (once; --compile off skips it)")
-    module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay, cfg.feature_loss, compiled).to(device)
+    module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay, cfg.feature_loss).to(device)
     argmax_cache = TargetArgmaxCache(source, head, device)
     wrapped = module
     if world > 1:
@@ -529,7 +503,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     if world > 1:
         dist.barrier()
     summary = {"steps": step, "tokens_per_s": tokens_seen / max(1e-9, time.perf_counter() - t0),
-               "eval": last_eval, "matmul_dtype": dtype_name(dtype), "compiled": bool(compiled), **info}
+               "eval": last_eval, "matmul_dtype": dtype_name(dtype), **info}
     if rank == 0:
         from ..models.formats import save_drafter
 

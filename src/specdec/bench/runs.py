@@ -248,12 +248,12 @@ def run_bench(
 ) -> dict:
     """Time every method over `prompts`; returns {"rows": [...], "fast": bool, ...}. The fast
     engines share one decoder: `pack_weights` (FastEngine's) applies to every row."""
-    from ..engine.fast import FastDecoder, engine_kind, make_engine
+    from ..engine.fast import FastDecoder, engine_kind, make_engine, round_up
 
     dev = target.device
     say = progress or (lambda s: None)
     longest = max(len(p) for p in prompts)
-    max_len = _round_up(longest + max_new_tokens + 8, 256)
+    max_len = round_up(longest + max_new_tokens + 8, 256)
     rows: list[Row] = []
     plain_engine = make_engine(target, fast=fast, max_len=max_len, pack_weights=pack_weights)
     kind = engine_kind(plain_engine)
@@ -315,10 +315,6 @@ def run_bench(
         out.append(d)
     return {"rows": out, "engine": kind, "max_new_tokens": max_new_tokens, "prompts": len(prompts),
             "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts), "max_len": max_len}
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
 
 
 def format_table(result: dict) -> str:

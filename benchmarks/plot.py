@@ -164,6 +164,62 @@ def plot_regen() -> None:
     fig.savefig(R / "regen_throughput.png", dpi=110)
 
 
+def plot_trees() -> None:
+    """Acceptance length and speed against plain decoding per tree shape, the 14,000-prompt drafter
+    (one `specdec eval --compare-plain` per tree)."""
+    shapes = [t for t in ("6-8-48", "8-8-64", "10-8-96") if (R / f"h200_eval_14k_tree_{t}.json").exists()]
+    if not shapes:
+        return
+    runs = [load(f"h200_eval_14k_tree_{t}.json") for t in shapes]
+    labels = [t.replace("-", " / ") for t in shapes]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(8.4, 3.4))
+    al = [r["mean_acceptance_length"] for r in runs]
+    a1.bar(labels, al, color="#59c")
+    a1.axhline(3.5, color="#c33", lw=1, ls="--", label="the bar: 3.5")
+    for i, v in enumerate(al):
+        a1.text(i, v * 1.01, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    a1.set_ylim(0, 4.2)
+    a1.set_ylabel("mean acceptance length")
+    a1.set_xlabel("tree: depth / top-k / tokens")
+    a1.legend(fontsize=8, loc="lower right")
+    sp = [r["speedup"] for r in runs]
+    a2.bar(labels, sp, color="#999")
+    a2.axhline(1.0, color="k", lw=1)
+    for i, (v, r) in enumerate(zip(sp, runs)):
+        a2.text(i, v * 1.01, f"{v:.2f}x\n{r['tokens_per_s']:,.0f} tok/s", ha="center", va="bottom", fontsize=8)
+    a2.set_ylim(0, 1.25)
+    a2.set_ylabel("tok/s against plain decoding")
+    a2.set_xlabel("tree: depth / top-k / tokens")
+    fig.suptitle("SmolLM2-135M-Instruct, H200, bf16: the 14,000-prompt drafter's trees, 10 MT-Bench questions",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(R / "h200_trees_14k.png", dpi=110)
+
+
+def plot_train_throughput() -> None:
+    """Drafter training tok/s of the loop before and after the batches were loaded ahead."""
+    if not (R / "h200_train_throughput.jsonl").exists():
+        return
+    rows = [json.loads(line) for line in (R / "h200_train_throughput.jsonl").read_text().splitlines() if line]
+    kinds = [k for k in ("steps", "quickstart") if any(r["row"] == k for r in rows)]
+    tags = [t for t in ("before", "after") if any(r["tag"] == t for r in rows)]
+    fig, ax = plt.subplots(figsize=(5.6, 3.4))
+    width = 0.38
+    for j, tag in enumerate(tags):
+        vals = [next(r["tokens_per_s"] for r in rows if r["tag"] == tag and r["row"] == k) for k in kinds]
+        xs = [i + (j - 0.5) * width for i in range(len(kinds))]
+        ax.bar(xs, vals, width, label=tag, color=["#999", "#59c"][j])
+        for x, v in zip(xs, vals):
+            ax.text(x, v * 1.01, f"{v / 1e3:.1f}K", ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, 1.15 * max(r["tokens_per_s"] for r in rows))
+    ax.set_xticks(range(len(kinds)), ["steps only", "with eval + checkpoints"])
+    ax.set_ylabel("training tokens / s")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("drafter training, SmolLM2 shapes, H200 (4,096 tokens/batch, TTT 7)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(R / "h200_train_throughput.png", dpi=110)
+
+
 def plot_packed() -> None:
     """Per product, the best TB/s of each way to stream a weight for 8 tokens; then the 8B step of
     1 and 8 tokens with row-major and packed weights, in one process and in fresh ones."""
@@ -216,6 +272,8 @@ if __name__ == "__main__":
     plot_recipes()
     plot_packed()
     plot_regen()
+    plot_trees()
+    plot_train_throughput()
     if (R / "h200_bench_quickstart_14k.json").exists():
         plot_bench("h200_bench_quickstart_14k.json", "h200_bench_quickstart_14k.png",
                    "SmolLM2-135M-Instruct, H200, bf16: the drafter of the quickstart on 14,000 prompts")

@@ -7,7 +7,8 @@ an answer of up to 256 tokens, random hidden states), trained with the GPU quick
 steps. Rows:
 
   steps      no held-out evaluation, no checkpoints: the training step and its data path
-  quickstart as the quickstart trains: held-out evaluation every 100 steps, a checkpoint every 200
+  quickstart with `specdec train`'s defaults: held-out evaluation every 100 steps, a checkpoint
+             every 200
 
 Each row reports tokens/s and ms per step as `train` measures them (the summary's rate), and
 MFU against the H200's dense bf16 peak (989 TFLOP/s), FLOPs counted as in throughput_8b.py.

@@ -125,11 +125,12 @@ def main() -> None:
             tc.eval_percent = 0.0
         s = train(target, OfflineSource(store), tc, target_name="smollm2-shapes", progress=False)
         tok_s = s["tokens_per_s"]
+        mfu = tok_s * fpt / H200_BF16_PEAK if dev == "cuda" else None  # the peak is the H200's
         r = {"tag": args.tag, "row": row, "device": dev, "steps": s["steps"], "tokens_per_s": tok_s,
-             "flops_per_token": fpt, "mfu": tok_s * fpt / H200_BF16_PEAK}
+             "flops_per_token": fpt, "mfu": mfu}
         results.append(r)
-        print(f"[{args.tag}] {row}: {tok_s:,.0f} tok/s over {s['steps']} steps, MFU {r['mfu']:.1%}"
-              f" ({fpt / 1e9:.2f} GFLOP per token)", flush=True)
+        print(f"[{args.tag}] {row}: {tok_s:,.0f} tok/s over {s['steps']} steps"
+              + (f", MFU {mfu:.1%}" if mfu is not None else "") + f" ({fpt / 1e9:.2f} GFLOP per token)", flush=True)
     if args.profile_steps and dev == "cuda":
         from torch.profiler import ProfilerActivity, profile
 

@@ -43,20 +43,15 @@ args = ap.parse_args()
 sys.path.insert(0, args.src)
 
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from specdec.bench.roofline import random_model, smollm2_135m_config  # noqa: E402
 from specdec.capture.store import CaptureStore, add_shard, open_or_create_manifest, write_shard  # noqa: E402
 from specdec.models.target import Target  # noqa: E402
+from specdec.models.tiny import tiny_config  # noqa: E402
 from specdec.train.data import OfflineSource  # noqa: E402
 from specdec.train.loop import TrainConfig, train  # noqa: E402
 
 H200_BF16_PEAK = 989.4e12
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-               num_hidden_layers=30, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
-               eos_token_id=2)
-TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            num_hidden_layers=4, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=True,
-            eos_token_id=2)
 
 
 def synthetic_capture(directory: Path, cfg, n: int, g: torch.Generator) -> CaptureStore:
@@ -97,9 +92,8 @@ def flops_per_token(cfg, ttt: int, vocab: int, ctx: float) -> float:
 
 def main() -> None:
     dev = "cuda" if torch.cuda.is_available() and not (args.tiny or args.cpu_size) else "cpu"
-    cfg = LlamaConfig(**(TINY if args.tiny else SMOLLM2))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(dev, torch.bfloat16 if dev == "cuda" else torch.float32)
+    cfg = tiny_config("llama", vocab_size=512) if args.tiny else smollm2_135m_config()
+    model = random_model(cfg, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
     target = Target(model, None, name="smollm2-shapes", aux_layer_ids=[2, cfg.num_hidden_layers // 2,
                                                                        cfg.num_hidden_layers - 3])
     vocab, steps = (128, 20) if args.tiny else (16384, args.steps)
@@ -113,7 +107,7 @@ def main() -> None:
     lengths = store.lengths()
     print(f"[{args.tag}] capture: {len(store)} samples, {sum(lengths):,} tokens ({time.perf_counter() - t:.0f} s)",
           flush=True)
-    ctx = sum(n * n / 2 for n in lengths) / sum(lengths)
+    ctx = sum(m * m / 2 for m in lengths) / sum(lengths)
     fpt = flops_per_token(cfg, ttt, vocab, ctx)
     results = []
     for row in args.rows.split(","):

@@ -236,6 +236,7 @@ class BatchDecoder:
             shape.graph = g
         return shape.graph.replay
 
+
 def _row_chunks(B: int, P: int, S: int, groups: int, budget: int = 1 << 28) -> list[slice]:
     """Rows per prefill pass so that its attention mask (rows x groups x P x S) stays under
     `budget` elements: a batch of 256 long prompts would otherwise need gigabytes for it."""

@@ -68,8 +68,8 @@ class Batch:
         valid = torch.zeros(B, L, dtype=torch.bool, pin_memory=pin)
         aux = torch.zeros(B, L, d_aux, dtype=dt, pin_memory=pin)
         last = torch.zeros(B, L, d_last, dtype=dt, pin_memory=pin)
-        top = torch.full((B, L), -1, dtype=torch.long, pin_memory=pin)
         known = all("target_argmax" in s for s in samples)
+        top = torch.full((B, L), -1, dtype=torch.long, pin_memory=pin) if known else None
         for b, s in enumerate(samples):
             n = len(s["input_ids"])
             ids[b, :n] = torch.as_tensor(s["input_ids"]).long()

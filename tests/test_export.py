@@ -179,13 +179,21 @@ def test_human_output_names_every_convention(drafter_dir, tiny_dirs, tmp_path, c
     assert "[2, 3, 4]" in stdout and "[1, 2, 3]" in stdout and "logits equal" in stdout
 
 
-def test_sglang_warning_for_ids_it_cannot_read(target, tmp_path, capsys):
-    # Canonical [1, 2, 4] is written to eagle_config as-is; SGLang adds 1 because the first is 1.
+def test_per_engine_verdicts_and_for_exit_code(target, tmp_path, capsys):
+    """Canonical id 4 is the 4-layer target's last output: vLLM captures it (llama.py 437-441),
+    SGLang captures only layer inputs 0..L-1 (srt/models/llama.py 485-494). `--for` turns that
+    into the exit status; `--json` carries the same verdicts."""
     src = save_drafter(make_drafter(target, aux=[1, 2, 4]), tmp_path / "d", "eagle3", dtype=torch.float32)
-    rc, stdout, _ = cli(["export", "--drafter", src, "--json", tmp_path / "o"], capsys)
+    rc, stdout, _ = cli(["export", "--drafter", src, "--json", "--for", "vllm", tmp_path / "o"], capsys)
     assert rc == 0
-    warnings = json.loads(stdout)["warnings"]
-    assert any("SGLang misreads" in w for w in warnings), warnings
+    engines = json.loads(stdout)["engines"]
+    assert engines["vllm"]["ok"] and engines["vllm"]["fed_ids"] == [1, 2, 4]
+    assert engines["vllm"]["max_abs_logit_diff"] == 0.0
+    assert not engines["sglang"]["ok"] and "never fed" in engines["sglang"]["verdict"]
+    rc, stdout, _ = cli(["export", "--drafter", src, "--for", "sglang", "--force", tmp_path / "o2"], capsys)
+    assert rc == 1
+    assert "vLLM 0.34.0:" in stdout and "loads; feeds hidden_states[1, 2, 4] = trained on [1, 2, 4]" in stdout
+    assert "SGLang 0.5.23:" in stdout and "will not load" in stdout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,14 +287,16 @@ def _foreign(drafter_dir, dest, *, prefix="", drop=(), config_update=None, confi
 
 
 def test_convert_specforge(drafter, drafter_dir, tiny_dirs, target, tmp_path, capsys):
-    # SpecForge: embeddings dropped, wrapper prefix, eagle_config ids counted as layer outputs.
+    # SpecForge: embeddings dropped, wrapper prefix, ids only in eagle_config, read as SGLang reads
+    # them for a llama target (always +1).
     src = _foreign(drafter_dir, tmp_path / "sf", prefix="model.", drop=("embed_tokens.weight",),
                    config_update={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}})
     rc, stdout, err = cli(["convert", src, tmp_path / "out", "--target", tiny_dirs["llama"], "--dtype", "fp32",
                            "--json"], capsys)
     assert rc == 0, err
     info = json.loads(stdout)
-    assert info["source_format"] == "specforge" and info["source_layer_convention"] == "specforge"
+    assert info["source_format"] == "specforge" and info["source_layer_convention"] == "sglang"
+    assert "SGLang's rule for llama" in info["aux_layer_ids_how"]
     assert info["aux_layer_ids"]["canonical"] == AUX
     converted = load_drafter(tmp_path / "out", target)
     assert converted.cfg.aux_layer_ids == AUX

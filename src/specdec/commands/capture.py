@@ -79,7 +79,15 @@ def run(args) -> int:
                                "whole copy on its own GPU: drop --device-map or run without torchrun")
         if device is None and torch.cuda.is_available():
             device = f"cuda:{local_rank}"
-    ids = [int(x) for x in args.aux_layer_ids.split(",")] if args.aux_layer_ids else None
+    ids = None
+    if args.aux_layer_ids:
+        from ..conventions import require_layer_order
+
+        try:
+            ids = require_layer_order([int(x) for x in args.aux_layer_ids.split(",")], "--aux-layer-ids")
+        except ValueError:
+            raise SpecdecError(f"--aux-layer-ids expects comma-separated integers like 2,15,27, "
+                               f"got {args.aux_layer_ids!r}") from None
     records = load_records(args.data)
     if args.limit is not None:
         records = records[: args.limit]

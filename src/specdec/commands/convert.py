@@ -8,8 +8,8 @@ What each source writes (all read from safetensors only; pickles are refused, ne
                fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d[, embed_tokens.weight].
   specforge    sgl-project/SpecForge: the same tensor names saved from LlamaForCausalLMEagle3
                (embeddings dropped; wrappers may add draft_model./model./module. prefixes), and
-               eagle_config.eagle_aux_hidden_state_layer_ids counted as layer OUTPUTS
-               (default [1, L//2-1, L-4] = canonical [2, L//2, L-3]).
+               ids only in eagle_config.eagle_aux_hidden_state_layer_ids, which SGLang reads by
+               the target's architecture (default [1, L//2-1, L-4] = canonical [2, L//2, L-3]).
   speculators  vllm-project/speculators: Eagle3Speculator config, transformer_layer_config,
                tensors under layers.0.*, top-level ids in the canonical convention.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from .export import add_output_args
@@ -32,7 +31,12 @@ result is written, reloaded and compared like `specdec export`. Only safetensors
 convert pytorch_model.bin or other pickles with a tool you trust first.
 
 id conventions (--layer-convention): eagle, vllm, speculators (id k = input of layer k);
-specforge, modelopt (id k = output of layer k); sglang (config ids + 1 when the first is 1).
+specforge, modelopt (id k = output of layer k); sglang (eagle_config ids + 1 for llama, mistral,
+qwen2, qwen3 targets; for deepseek_v2/v3, Kimi and glm4_moe_lite only when the first id is 1).
+Ids a config holds only in eagle_config are read as SGLang reads them, by the target's
+architecture (--target, or --target-type when the target is not at hand); the rule used is
+printed. vLLM reads only the top-level key and guesses (2, L//2, L-3) without it: the export
+always writes it.
 
 examples:
   specdec convert ./specforge-out/epoch_9 ./drafter --from specforge --target smollm2-135m-instruct
@@ -40,6 +44,7 @@ examples:
       # (that release ships pytorch_model.bin: convert it to safetensors with a tool you trust first)
   specdec convert ./speculator.eagle3 ./drafter --format eagle3      # speculators -> vLLM/SGLang eagle3
   specdec convert SRC OUT --layer-convention specforge --aux-layer-ids 1,14,26
+  specdec convert ./kimi-k2.5-eagle3 ./drafter --target-type deepseek_v3 --for both   # eagle_config-only ids
 """
 
 SOURCES = ("auto", "eagle", "specforge", "speculators")
@@ -288,7 +293,7 @@ def build_drafter(raw: dict, tensors: dict, *, canonical: list[int], target_like
 def run(args) -> int:
     from ..conventions import CONVENTIONS, resolve_aux_layer_ids, to_canonical
     from ..errors import SpecdecError
-    from .export import describe, prepare_out, print_summary, target_for_checks, write_and_validate
+    from .export import adopt_target, describe, finish, prepare_out, target_for_checks, write_and_validate
 
     if args.k < 1:
         raise SpecdecError(f"--k must be at least 1, got {args.k}")
@@ -300,15 +305,19 @@ def run(args) -> int:
     prepare_out(out, [src, folder], args.force)
     tensors = normalize_names(tensors)
     source = detect_source(raw, tensors) if args.source == "auto" else args.source
-    convention = (args.layer_convention or _DEFAULT_CONVENTION[source]).lower()
+    target_like, serve_target = target_for_checks(args.target) if args.target else (None, None)
+    num_layers = target_like.num_layers if target_like is not None else None
+    model_type = args.target_type or (getattr(target_like.config, "model_type", None) if target_like else None)
     if args.aux_layer_ids:
         ids, where = _parse_ids(args.aux_layer_ids), "--aux-layer-ids"
     else:
         ids, where = source_ids(raw, source)
-        if source == "specdec" and args.layer_convention is None:
-            convention = "eagle"
-    target_like, serve_target = target_for_checks(args.target) if args.target else (None, None)
-    num_layers = target_like.num_layers if target_like is not None else None
+    convention = (args.layer_convention or _DEFAULT_CONVENTION[source]).lower()
+    if args.layer_convention is None and where.startswith("eagle_config"):
+        # Ids found only in eagle_config were written for SGLang, the one engine that reads them:
+        # read them by its rule for the target's architecture (specdec.conventions).
+        convention = "sglang"
+    notes = []
     if ids is None:
         if num_layers is None:
             raise SpecdecError(
@@ -318,18 +327,20 @@ def run(args) -> int:
         canonical = resolve_aux_layer_ids(num_layers)
         how = f"none in config.json; defaults for {num_layers} layers"
     else:
-        canonical = (to_canonical(ids, convention) if num_layers is None
-                     else resolve_aux_layer_ids(num_layers, ids, convention))
-        how = f"{where} = {ids} read as {convention}"
-    ambiguous = (source == "specforge" and args.source == "auto" and args.layer_convention is None
-                 and ids is not None and ids[0] != 1)
-    drafter, has_embed, notes = build_drafter(raw, tensors, canonical=canonical, target_like=target_like)
-    if ambiguous:
-        notes.append(
-            f"eagle_config ids {ids} were read as SpecForge layer outputs (canonical {canonical}); had SGLang's "
-            f"newer reading been meant they would be {list(ids)}: pass --layer-convention if the drafter was "
-            f"trained with another tool"
-        )
+        canonical = (to_canonical(ids, convention, model_type) if num_layers is None
+                     else resolve_aux_layer_ids(num_layers, ids, convention, model_type=model_type))
+        rule = f" by SGLang's rule for {model_type or 'any architecture'}" if convention == "sglang" else ""
+        how = f"{where} = {ids} read as {convention}{rule}"
+    if raw.get("eagle_aux_hidden_state_layer_ids") is None and source != "specdec":
+        L = num_layers
+        guess = [2, L // 2, L - 3] if num_layers else None
+        verdict = ("" if guess is None else f" = {guess} for this {L}-layer target, "
+                   + ("by luck the trained ids" if guess == canonical else f"not the trained {canonical}"))
+        notes.append(f"the source config has no top-level eagle_aux_hidden_state_layer_ids: served as it was, vLLM "
+                     f"would guess (2, L//2, L-3){verdict}; the export writes them")
+    drafter, has_embed, built_notes = build_drafter(raw, tensors, canonical=canonical, target_like=target_like)
+    notes += built_notes
+    adopt_target(drafter, target_like, model_type)
     if not has_embed:
         notes.append("no embed_tokens in the source and no --target: "
                      "written without embeddings (servers share the target's)")
@@ -338,18 +349,11 @@ def run(args) -> int:
                                     verifier=verifier, k=args.k, dtype_flag=args.dtype,
                                     include_embeddings=has_embed and not args.no_embeddings)
     info = describe(out, args.format, drafter.cfg, serve_target=serve_target, k=args.k, dtype_flag=args.dtype,
-                    verifier=verifier)
+                    verifier=verifier, validation=validation)
     info.update(source=str(src), source_format=source, source_layer_convention=convention,
-                source_aux_layer_ids=ids, aux_layer_ids_how=how, notes=notes, validation=validation)
+                source_aux_layer_ids=ids, aux_layer_ids_how=how, notes=notes,
+                validation={k: v for k, v in validation.items() if k != "readings"})
     if validation["embedding_note"]:
         info["warnings"].append(validation["embedding_note"])
-    if args.json:
-        print(json.dumps(info))
-        for w in info["warnings"]:
-            print(f"specdec convert: warning: {w}", file=sys.stderr)
-        return 0
-    print(f"source: {src} ({source}); aux layer ids: {how} -> canonical {canonical}")
-    for n in notes:
-        print(f"note: {n}")
-    print_summary(info, validation, verb="converted")
-    return 0
+    before = [f"source: {src} ({source}); aux layer ids: {how} -> canonical {canonical}"]
+    return finish(args, info, validation, "convert", before + [f"note: {n}" for n in notes])

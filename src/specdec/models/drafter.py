@@ -52,6 +52,10 @@ class DrafterConfig:
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
+    # The target's model_type and depth: which SGLang id rule applies (specdec.conventions), and
+    # what `export` checks the engines against when no target is given.
+    target_model_type: str | None = None
+    target_num_layers: int | None = None
     extra: dict = field(default_factory=dict)  # unknown config keys, kept for round trips
 
     @classmethod
@@ -73,6 +77,8 @@ class DrafterConfig:
             rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
             max_position_embeddings=getattr(target_config, "max_position_embeddings", 4096),
+            target_model_type=getattr(target_config, "model_type", None),
+            target_num_layers=getattr(target_config, "num_hidden_layers", None),
         )
         if getattr(target_config, "model_type", "") == "deepseek_v3":
             # MLA heads do not transfer; give the drafter a plain GQA layer of the same width.

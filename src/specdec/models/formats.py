@@ -43,12 +43,26 @@ def _llama_part(cfg: DrafterConfig, dtype_name: str = "bfloat16") -> dict:
     return out
 
 
+def sglang_config_ids(ids: list[int], model_type: str | None) -> list[int]:
+    """eagle_config ids that make SGLang feed canonical `ids` for this target. Where no writing
+    can (specdec.conventions says why), the canonical ids are written and `export`'s engine check
+    says SGLang will not feed them."""
+    try:
+        return from_canonical(ids, "sglang", model_type)
+    except SpecdecError:
+        return list(ids)
+
+
 def config_dict(cfg: DrafterConfig, fmt: str, target_name: str | None = None, k: int = 5,
                 dtype_name: str = "bfloat16") -> dict:
     """`dtype_name` is the dtype of the saved tensors: loaders (HF `from_pretrained`, vLLM) cast
-    to it, so it must match what `save_drafter` writes."""
+    to it, so it must match what `save_drafter` writes. Every key an engine defaults is written:
+    vLLM guesses ids absent from the top level, and its speculators reader defaults
+    norm_before_residual to True (specdec.engine_rules)."""
     ids = list(cfg.aux_layer_ids)
     flags = {f: getattr(cfg, f) for f in _FLAGS}
+    ours = {"aux_layer_ids_canonical": ids, "target": target_name, "target_model_type": cfg.target_model_type,
+            "target_num_layers": cfg.target_num_layers}
     if fmt == "eagle3":
         return {
             **_llama_part(cfg, dtype_name),
@@ -57,14 +71,14 @@ def config_dict(cfg: DrafterConfig, fmt: str, target_name: str | None = None, k:
             "target_hidden_size": cfg.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": from_canonical(ids, "vllm"),
             "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": from_canonical(ids, "sglang"),
+                "eagle_aux_hidden_state_layer_ids": sglang_config_ids(ids, cfg.target_model_type),
                 "use_aux_hidden_state": True,
                 "use_input_layernorm_in_first_layer": True,
                 "use_last_layernorm": True,
                 "use_mtp_layernorm": False,
             },
             **flags,
-            "specdec": {"aux_layer_ids_canonical": ids, "target": target_name},
+            "specdec": ours,
         }
     if fmt == "speculators":
         return {
@@ -84,9 +98,47 @@ def config_dict(cfg: DrafterConfig, fmt: str, target_name: str | None = None, k:
                 "verifier": {"name_or_path": target_name, "architectures": []},
             },
             "torch_dtype": dtype_name,
-            "specdec": {"aux_layer_ids_canonical": ids, "target": target_name},
+            "specdec": ours,
         }
     raise SpecdecError(f"unknown drafter format {fmt!r}; expected one of {', '.join(FORMATS)}")
+
+
+def engine_layout(drafter: Eagle3Drafter) -> Eagle3Drafter:
+    """The same drafter laid out as vLLM and SGLang read it (specdec.engine_rules): aux ids in
+    ascending order, with fc's column blocks (and the norms before fc) reordered to match, since
+    both engines concatenate the captured layers in layer order; at full vocab, lm_head rows in
+    target-id order, since vLLM refuses a d2t there. Both are exact permutations. Returns
+    `drafter` itself when nothing moves."""
+    import copy
+
+    cfg = drafter.cfg
+    ids = list(cfg.aux_layer_ids)
+    if len(set(ids)) != len(ids):
+        raise IncompatibleDrafter(
+            f"aux layer ids {ids} repeat a layer: vLLM and SGLang capture each layer once, so the fc would "
+            f"read fewer states than it was trained on; retrain with distinct ids"
+        )
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    full_vocab = cfg.draft_vocab_size == cfg.vocab_size
+    if order == list(range(len(ids))) and not (full_vocab and bool(drafter.d2t.any())):
+        return drafter
+    out = copy.deepcopy(drafter)
+    out.cfg.aux_layer_ids = [ids[i] for i in order]
+    tH = cfg.target_hidden_size
+    cols = torch.cat([torch.arange(i * tH, (i + 1) * tH) for i in order])
+    with torch.no_grad():
+        out.fc.weight.copy_(drafter.fc.weight[:, cols])
+        if out.input_norm is not None:
+            out.input_norm.weight.copy_(drafter.input_norm.weight[cols])
+        if out.fc_norm is not None:
+            for dst, src in zip(out.fc_norm, [drafter.fc_norm[i] for i in order]):
+                dst.weight.copy_(src.weight)
+        if full_vocab and bool(drafter.d2t.any()):
+            rows = torch.empty_like(drafter.d2t)
+            rows[drafter.draft_to_target.cpu()] = torch.arange(cfg.draft_vocab_size)
+            out.lm_head.weight.copy_(drafter.lm_head.weight[rows.to(drafter.lm_head.weight.device)])
+            out.set_vocab_mapping(torch.arange(cfg.vocab_size))
+    return out
 
 
 def save_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str = "eagle3", *,
@@ -94,6 +146,7 @@ def save_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str = "eagle3
                  include_embeddings: bool = True) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    drafter = engine_layout(drafter)
     cfg = config_dict(drafter.cfg, fmt, target_name, k, _DTYPE_NAMES.get(dtype, "float32"))
     tensors = {}
     for name, t in drafter.state_dict().items():
@@ -101,6 +154,8 @@ def save_drafter(drafter: Eagle3Drafter, out_dir: str | Path, fmt: str = "eagle3
             continue
         if name == "embed_tokens.weight" and not include_embeddings:
             continue
+        if name in ("d2t", "t2d") and drafter.cfg.draft_vocab_size == drafter.cfg.vocab_size:
+            continue  # identity at full vocab (engine_layout); vLLM refuses a d2t there
         if fmt == "speculators":
             name = name.replace("midlayer.", "layers.0.")
         t = t.detach().cpu().contiguous()
@@ -123,16 +178,22 @@ def detect_format(cfg: dict) -> str:
     )
 
 
-def parse_config(cfg: dict, num_target_layers: int | None = None) -> DrafterConfig:
+def parse_config(cfg: dict, num_target_layers: int | None = None,
+                 target_model_type: str | None = None) -> DrafterConfig:
+    """The drafter a config describes. Ids come from specdec's own record, else the top-level
+    key (vLLM's), else eagle_config's read by SGLang's rule for the target's architecture; flags
+    an engine defaults are defaulted as vLLM does (norm_before_residual True in speculators)."""
     fmt = detect_format(cfg)
     layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
-    ours = cfg.get("specdec", {}).get("aux_layer_ids_canonical")
+    record = cfg.get("specdec") if isinstance(cfg.get("specdec"), dict) else {}
+    target_model_type = target_model_type or record.get("target_model_type")
+    ours = record.get("aux_layer_ids_canonical")
     if ours is not None:
         ids = list(ours)
     elif fmt == "speculators" or cfg.get("eagle_aux_hidden_state_layer_ids") is not None:
         ids = to_canonical(list(cfg.get("eagle_aux_hidden_state_layer_ids") or []), "vllm")
     elif (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
-        ids = to_canonical(list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]), "sglang")
+        ids = to_canonical(list(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]), "sglang", target_model_type)
     else:
         ids = []
     if not ids:
@@ -164,7 +225,9 @@ def parse_config(cfg: dict, num_target_layers: int | None = None) -> DrafterConf
         rope_scaling=scaling or None,
         max_position_embeddings=layer.get("max_position_embeddings", 4096),
         hidden_act=layer.get("hidden_act", "silu"),
-        **{f: bool(cfg.get(f, False)) for f in _FLAGS},
+        **{f: bool(cfg.get(f, fmt == "speculators" and f == "norm_before_residual")) for f in _FLAGS},
+        target_model_type=target_model_type,
+        target_num_layers=record.get("target_num_layers") or num_target_layers,
     )
 
 
@@ -196,7 +259,10 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype=torch.floa
         raw = json.loads((folder / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise SpecdecError(f"{folder / 'config.json'} is not valid JSON ({e}); export the drafter again") from e
-    cfg = parse_config(raw, target.num_layers if target is not None else None)
+    if not isinstance(raw, dict):
+        raise SpecdecError(f"{folder / 'config.json'} holds a JSON {type(raw).__name__}: expected an object")
+    cfg = parse_config(raw, target.num_layers if target is not None else None,
+                       getattr(getattr(target, "config", None), "model_type", None))
     tensors = {k.replace("layers.0.", "midlayer."): v for k, v in _read_tensors(folder).items()}
     if "d2t" not in tensors and cfg.draft_vocab_size == cfg.vocab_size:
         # A full-vocab drafter needs no mapping; speculators then saves no d2t/t2d at all.

@@ -82,7 +82,8 @@ class Target:
 
     # -- configuration -------------------------------------------------------------------
     def set_aux_layer_ids(self, ids: list[int] | None, convention: str = "eagle", shift: int = 0):
-        self.aux_layer_ids = resolve_aux_layer_ids(self.num_layers, ids, convention, shift)
+        self.aux_layer_ids = resolve_aux_layer_ids(self.num_layers, ids, convention, shift,
+                                                   model_type=getattr(self.config, "model_type", None))
 
     @property
     def device(self) -> torch.device:

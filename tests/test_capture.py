@@ -164,6 +164,20 @@ def test_cli_refusal_is_one_line(tiny_dirs, tmp_path, capsys):
     assert err.startswith("specdec capture: error:") and "max_length 128 (on disk) vs 64 (this run)" in err
 
 
+def test_cli_refuses_aux_ids_out_of_layer_order(tiny_dirs, tmp_path, capsys):
+    # vLLM and SGLang feed the captured layers in layer order: an fc trained on [3, 1, 2] would be
+    # served [1, 2, 3]'s columns.
+    from specdec.cli import main
+
+    data = tmp_path / "regen.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records(1)))
+    assert main(["capture", "--target", str(tiny_dirs["llama"]), "--data", str(data), "-o", str(tmp_path / "cap"),
+                 "--no-progress", "--aux-layer-ids", "3,1,2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "ascending, distinct" in err and "pass 1,2,3" in err
+    assert not (tmp_path / "cap").exists()
+
+
 def test_refuses_when_the_projection_exceeds_free_space(target, tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple

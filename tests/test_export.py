@@ -146,6 +146,19 @@ def test_speculators_config_keys(drafter_dir, tiny_dirs, tmp_path, capsys):
     assert "layers.0.self_attn.q_proj.weight" in names and not any(n.startswith("midlayer.") for n in names)
 
 
+def test_speculators_short_form_only_for_a_hub_verifier(drafter_dir, tiny_dirs, tmp_path, capsys):
+    # vLLM 0.34 refuses a local verifier in the short form (transformers_utils/config.py 904-918).
+    rc, stdout, _ = cli(["export", "--drafter", drafter_dir, "--target", tiny_dirs["llama"], "--format",
+                         "speculators", "--json", tmp_path / "a"], capsys)
+    assert rc == 0 and json.loads(stdout)["serve"]["vllm_short"] is None
+    rc, stdout, _ = cli(["export", "--drafter", drafter_dir, "--target", tiny_dirs["llama"], "--format",
+                         "speculators", "--verifier", "org/tiny-llama", tmp_path / "b"], capsys)
+    assert rc == 0 and f"vllm serve {(tmp_path / 'b').resolve()}   (target read" in stdout
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/tiny-llama"
+    assert "SGLang 0.5.23:  will not load: SGLang has no Eagle3Speculator" in stdout
+
+
 def test_no_embeddings_and_serve_commands(drafter_dir, tiny_dirs, target, drafter, tmp_path, capsys):
     out = tmp_path / "noemb"
     rc, stdout, err = cli(["export", "--drafter", drafter_dir, "--target", tiny_dirs["llama"], "--no-embeddings",

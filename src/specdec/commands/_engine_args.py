@@ -52,10 +52,11 @@ def tree_config(args):
     return TreeConfig(depth=args.tree_depth or 6, top_k=args.tree_top_k or 8, total_tokens=args.tree_tokens or 48)
 
 
-def build_engine(args, target=None, *, max_len: int | None = None):
+def build_engine(args, target=None, *, max_len: int | None = None, fault=None):
     """(target, engine) from parsed flags; loads the target unless one is given. Commands that
     registered --reference get `make_engine`'s choice (the fast path, whose static cache holds
-    `max_len` tokens, default 2048); the others the reference engine."""
+    `max_len` tokens, default 2048); the others the reference engine. `fault(drafter)` breaks the
+    loaded drafter on purpose before the engine is built (serve --fault)."""
     from ..engine.engine import SpeculativeEngine
     from ..models.formats import load_drafter
     from ..models.target import load_target
@@ -68,6 +69,8 @@ def build_engine(args, target=None, *, max_len: int | None = None):
     if target is None:
         target = load_target(args.target, device=args.device, dtype=args.dtype)
     drafter = load_drafter(args.drafter, target, dtype=target.dtype) if args.drafter else None
+    if fault is not None and drafter is not None:
+        fault(drafter)
     if not hasattr(args, "reference"):
         return target, SpeculativeEngine(target, drafter=drafter, ngram=args.ngram, k=args.k, tree=tree)
     from ..engine.fast import make_engine

@@ -236,6 +236,12 @@ def build_drafter(raw: dict, tensors: dict, *, canonical: list[int], target_like
         )
     # Vocabulary mapping: d2t is what vLLM and SGLang use; t2d only mirrors it.
     d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    lost = (d2t is not None and t2d is not None and cfg.draft_vocab_size < cfg.vocab_size and not bool(d2t.any())
+            and int(t2d.bool().sum()) == cfg.draft_vocab_size and not bool(t2d.bool()[:cfg.draft_vocab_size].all()))
+    if lost:
+        # An all-zero d2t maps draft id i to target id i; t2d still says which ids were kept.
+        d2t = None
+        notes.append("d2t was all zeros with a reduced vocab (the mapping lost); rebuilt it from t2d")
     if d2t is None and t2d is not None:
         ids = t2d.bool().nonzero().flatten()
         if ids.numel() != cfg.draft_vocab_size:

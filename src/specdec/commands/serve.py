@@ -63,7 +63,56 @@ def register(subparsers) -> None:
                    help="context limit for prompt + completion (default: the target's max_position_embeddings; "
                         "on the fast path 2048, its static KV cache being allocated up front)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--fault", action="append", default=[], metavar="KIND=VALUE",
+                   help="break the served drafter on purpose, to reproduce an integration fault for `doctor "
+                        "--server` and demos: aux-ids=2,16,28 feeds the drafter those hidden states instead of "
+                        "the ones it declares (a server capturing other layers); zero-aux=SLOT feeds zeros for "
+                        "that aux state (vLLM once captured nothing for the last id of a DeepSeek target). "
+                        "Repeatable; never for real serving")
     p.set_defaults(func=run)
+
+
+def parse_faults(specs: list[str]):
+    """`--fault` values -> a function that applies them to a loaded drafter (None without any)."""
+    from specdec.errors import SpecdecError
+
+    steps = []
+    for spec in specs:
+        kind, _, value = spec.partition("=")
+        try:
+            if kind == "aux-ids":
+                ids = [int(x) for x in value.split(",")]
+                steps.append(lambda d, ids=ids: setattr(d.cfg, "aux_layer_ids", ids))
+            elif kind == "zero-aux":
+                slot = int(value)
+                steps.append(lambda d, slot=slot: _zero_aux(d, slot))
+            else:
+                raise ValueError
+        except ValueError:
+            raise SpecdecError(f"--fault {spec!r}: expected aux-ids=2,16,28 or zero-aux=SLOT") from None
+    if not steps:
+        return None
+
+    def apply(drafter):
+        for step in steps:
+            step(drafter)
+        states = drafter.fc.in_features // drafter.cfg.target_hidden_size
+        if len(drafter.cfg.aux_layer_ids) != states:
+            raise SpecdecError(f"--fault aux-ids: the drafter's fc reads {states} states; give as many ids")
+    return apply
+
+
+def _zero_aux(drafter, slot: int) -> None:
+    import torch
+
+    from specdec.doctor.sweep import zero_aux_slot
+    from specdec.errors import SpecdecError
+
+    if not 0 <= slot < len(drafter.cfg.aux_layer_ids):
+        last = len(drafter.cfg.aux_layer_ids) - 1
+        raise SpecdecError(f"--fault zero-aux={slot}: the drafter reads aux states 0..{last}")
+    with torch.no_grad():
+        zero_aux_slot(drafter, slot)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -117,6 +166,7 @@ def run(args) -> int:
     from ._engine_args import build_engine, tree_config
 
     tree = tree_config(args)  # flag errors before the port check and the model load
+    fault = parse_faults(args.fault)
     if args.max_model_len is not None and args.max_model_len < 1:
         raise SpecdecError(f"--max-model-len must be at least 1, got {args.max_model_len}")
     if not 0 <= args.port <= 65535:
@@ -131,7 +181,10 @@ def run(args) -> int:
 
     print(f"specdec serve: loading {args.target}" + (f" + drafter {args.drafter}" if args.drafter else ""),
           file=sys.stderr, flush=True)
-    target, engine = build_engine(args, max_len=args.max_model_len)
+    target, engine = build_engine(args, max_len=args.max_model_len, fault=fault)
+    if fault is not None:
+        print(f"specdec serve: FAULT INJECTED ({', '.join(args.fault)}): the drafter is served wrong on purpose",
+              file=sys.stderr, flush=True)
     max_len = args.max_model_len or engine.max_len
     if max_len > engine.max_len:
         raise SpecdecError(

@@ -56,6 +56,9 @@ class DrafterConfig:
     # what `export` checks the engines against when no target is given.
     target_model_type: str | None = None
     target_num_layers: int | None = None
+    # What `train` knew of the run (target and tokenizer fingerprints, the capture, weight norms,
+    # held-out acceptance): `doctor` checks the target and weights served now against it.
+    provenance: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # unknown config keys, kept for round trips
 
     @classmethod
@@ -239,6 +242,11 @@ class Eagle3Drafter(nn.Module):
         self.d2t.copy_(ids - torch.arange(ids.numel()))
         self.t2d.zero_()
         self.t2d[ids] = True
+
+    def weight_norms(self) -> dict[str, float]:
+        """L2 norm of each trained tensor: a scale error after training shows against them."""
+        return {n: round(float(p.detach().float().norm()), 6) for n, p in self.named_parameters()
+                if n != "embed_tokens.weight"}
 
     @property
     def draft_to_target(self) -> torch.Tensor:

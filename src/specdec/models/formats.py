@@ -62,7 +62,7 @@ def config_dict(cfg: DrafterConfig, fmt: str, target_name: str | None = None, k:
     ids = list(cfg.aux_layer_ids)
     flags = {f: getattr(cfg, f) for f in _FLAGS}
     ours = {"aux_layer_ids_canonical": ids, "target": target_name, "target_model_type": cfg.target_model_type,
-            "target_num_layers": cfg.target_num_layers}
+            "target_num_layers": cfg.target_num_layers, "provenance": cfg.provenance}
     if fmt == "eagle3":
         return {
             **_llama_part(cfg, dtype_name),
@@ -186,7 +186,8 @@ def parse_config(cfg: dict, num_target_layers: int | None = None,
     fmt = detect_format(cfg)
     layer = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
     record = cfg.get("specdec") if isinstance(cfg.get("specdec"), dict) else {}
-    target_model_type = target_model_type or record.get("target_model_type")
+    trained_for = record.get("target_model_type")  # what it was trained for, over the target at hand
+    target_model_type = trained_for or target_model_type
     ours = record.get("aux_layer_ids_canonical")
     if ours is not None:
         ids = list(ours)
@@ -228,6 +229,7 @@ def parse_config(cfg: dict, num_target_layers: int | None = None,
         **{f: bool(cfg.get(f, fmt == "speculators" and f == "norm_before_residual")) for f in _FLAGS},
         target_model_type=target_model_type,
         target_num_layers=record.get("target_num_layers") or num_target_layers,
+        provenance=dict(record.get("provenance") or {}),
     )
 
 

@@ -366,6 +366,22 @@ def evaluate_heldout(module: DrafterTTT, source, indices, batch_tokens, device, 
     return out
 
 
+def provenance(target, source, drafter, last_eval: dict) -> dict:
+    """What `doctor` compares the served target and drafter against (see DrafterConfig)."""
+    from ..capture.store import tokenizer_fingerprint
+
+    tok = getattr(target, "tokenizer", None)
+    root = getattr(getattr(source, "store", None), "directory", None)
+    return {
+        "target_fingerprint": target.fingerprint(),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tok, target.eos_token_ids) if tok is not None else None,
+        "capture": str(root) if root is not None else None,
+        "weight_norms": drafter.weight_norms(),
+        "heldout": {k: last_eval[k] for k in ("walked_acceptance_length_k5", "per_position_accuracy")
+                    if k in last_eval},
+    }
+
+
 def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: bool = False,
           target_name: str = "target", progress: bool = True) -> dict:
     rank, world = dist_env()
@@ -507,6 +523,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     if rank == 0:
         from ..models.formats import save_drafter
 
+        drafter.cfg.provenance = provenance(target, source, drafter, last_eval)
         save_drafter(drafter, out / "drafter", "eagle3", target_name=target_name, dtype=torch.float32)
         write_json(out / "train_summary.json", summary)
         if tb is not None:

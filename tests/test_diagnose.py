@@ -17,22 +17,25 @@ REQUIRED = {
 }
 
 
-def run_json(capsys, *args):
-    rc = main(["diagnose", *args, "--json"])
+def run_json(capsys, *args, rc=0):
+    got = main(["diagnose", *args, "--json"])
     out = capsys.readouterr().out
-    assert rc == 0
+    assert got == rc
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 1, "--json prints exactly one JSON object"
     return json.loads(lines[0])
 
 
 def test_seed_case(capsys):
-    r = run_json(capsys, str(FIX / "seed_two_counters.txt"), "--k", "5")
+    r = run_json(capsys, str(FIX / "seed_two_counters.txt"), "--k", "5", rc=1)
     assert REQUIRED <= set(r)
     assert r["acceptance_rate"] == pytest.approx(0.156, abs=5e-4)
     assert r["expected_tokens_per_pass"] == pytest.approx(1.18, abs=0.01)
     assert r["k"] == 5
-    assert r["verdict"] == "speculation loses"
+    # Far below what EAGLE-3 drafters reach: a fault to find, whatever the cost ratio.
+    assert r["verdict"] == "acceptance far below reference" and r["speed_verdict"] == "speculation loses"
+    assert "published EAGLE-3" in r["headline"] and "doctor --server" in r["headline"]
+    assert "any cost ratio above 0.037" in r["headline"]
     assert r["cost_ratio"] == 0.05 and r["cost_ratio_assumed"]
     assert r["break_even_cost_ratio"] == pytest.approx(0.037, abs=1e-3)
     assert r["predicted_speedup"] < 1
@@ -46,11 +49,11 @@ def test_seed_case(capsys):
 
 def test_seed_case_loses_for_any_cost_ratio_above_004(capsys):
     for c in ("0.04", "0.1", "0.3"):
-        r = run_json(capsys, str(FIX / "seed_two_counters.txt"), "--k", "5", "--cost-ratio", c)
-        assert r["verdict"] == "speculation loses", c
+        r = run_json(capsys, str(FIX / "seed_two_counters.txt"), "--k", "5", "--cost-ratio", c, rc=1)
+        assert r["speed_verdict"] == "speculation loses", c
         assert r["cost_ratio"] == float(c) and not r["cost_ratio_assumed"]
-    r = run_json(capsys, str(FIX / "seed_two_counters.txt"), "--k", "5", "--cost-ratio", "0.02")
-    assert r["verdict"] == "marginal"
+    r = run_json(capsys, str(FIX / "seed_two_counters.txt"), "--k", "5", "--cost-ratio", "0.02", rc=1)
+    assert r["speed_verdict"] == "marginal" and r["verdict"] == "acceptance far below reference"
 
 
 def test_seed_counts_with_num_drafts_are_prefix_counts(tmp_path):
@@ -65,6 +68,16 @@ def test_seed_counts_with_num_drafts_are_prefix_counts(tmp_path):
     assert r["k"] == 5 and r["counting"] == "prefix"
     assert r["mean_acceptance_length"] == pytest.approx(1 + 1119 / 1438)
     assert r["break_even_cost_ratio"] == pytest.approx(1119 / 7190, abs=1e-3)
+    # The motivating case: 1.42x at an assumed c = 0.05, yet far below any working EAGLE-3 drafter.
+    assert r["speed_verdict"] == "healthy" and r["cost_ratio_assumed"]
+    assert r["verdict"] == "acceptance far below reference"
+    assert "speculation loses at any cost ratio above 0.156; run `specdec doctor --server`" in r["headline"]
+    # Held against a drafter whose own reference is as low, it is no fault; the assumed c is said.
+    from specdec.diagnose.verdict import Reference
+
+    weak = diagnose(str(p), reference=Reference(1.85, 5, "a weak drafter"))
+    assert weak["verdict"] == "healthy" and "pays only while c < 0.156" in weak["headline"]
+    assert any("over plausible cost ratios" in x and "c = 0.2" in x for x in weak["reasons"])
 
 
 def test_seed_without_k_explains_what_to_pass(capsys):
@@ -83,7 +96,7 @@ def test_two_models_per_label_set(capsys):
     assert good["verdict"] == "healthy"
     assert good["per_position_acceptance"] == pytest.approx([0.78, 0.59, 0.43])
     assert good["per_position_conditional"][1] == pytest.approx(5900 / 7800)
-    assert bad["verdict"] == "speculation loses"
+    assert bad["verdict"] == "acceptance far below reference" and bad["speed_verdict"] == "speculation loses"
     assert bad["position0_acceptance"] == pytest.approx(0.15) and not bad["position0_estimated"]
     assert any("specdec doctor" in s for s in bad["next_steps"])
     assert bad["recommended_k"] == 1
@@ -130,9 +143,9 @@ def test_stdin(capsys, monkeypatch):
 
 
 def test_pretty_output_names_the_verdict_and_actions(capsys):
-    assert main(["diagnose", str(FIX / "seed_two_counters.txt"), "--k", "5"]) == 0
+    assert main(["diagnose", str(FIX / "seed_two_counters.txt"), "--k", "5"]) == 1
     out = capsys.readouterr().out
-    assert "SPECULATION LOSES" in out
+    assert "ACCEPTANCE FAR BELOW REFERENCE" in out and "0.037" in out
     assert "15.6%" in out and "1.18" in out
     assert "specdec doctor" in out
 

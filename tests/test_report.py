@@ -46,7 +46,7 @@ def test_report_from_diagnose_json(tmp_path, capsys):
 
 
 def test_report_default_out_dir_and_missing_per_position(tmp_path, capsys):
-    assert main(["diagnose", str(FIX / "seed_two_counters.txt"), "--k", "5", "--json"]) == 0
+    assert main(["diagnose", str(FIX / "seed_two_counters.txt"), "--k", "5", "--json"]) == 1
     diag = tmp_path / "seed.json"
     diag.write_text(capsys.readouterr().out)
     index = report(capsys, str(diag))

@@ -13,12 +13,23 @@ try next.
 SOURCE is a /metrics URL (scraped twice, --window seconds apart, and judged on the counter
 deltas), a saved metrics text file, or - for stdin (judged on totals since server start).
 
+Counters alone cannot say whether an acceptance is good: it is held against a reference, the
+acceptance `specdec train` recorded for the drafter (--drafter DIR), else published EAGLE-3
+figures (labelled as such; not for servers that say they run n-gram or plain decoding). Far
+below it, the verdict is "acceptance far below reference" at any cost ratio: run `specdec doctor
+--server`. The cost ratio c is assumed (0.05) unless --cost-ratio gives it; the verdict then
+says so and shows the range of c over which it holds.
+
+exit status: 0 no problem found; 1 speculation loses or acceptance is far below the reference;
+2 could not read the metrics.
+
 examples:
   specdec diagnose http://localhost:8000/metrics
   specdec diagnose http://localhost:30000 --window 30 --cost-ratio 0.08
   curl -s http://localhost:8000/metrics > metrics.txt && specdec diagnose metrics.txt --json
   curl -s http://localhost:8000/metrics | specdec diagnose -
   specdec diagnose v0-metrics.txt --k 5     # vLLM v0 scrapes do not say k
+  specdec diagnose http://localhost:8000 --drafter runs/quickstart/train/drafter   # against its own reference
 """
 
 
@@ -51,6 +62,8 @@ def register(subparsers) -> None:
         metavar="K",
         help="draft tokens per step, when the metrics do not say (vLLM v0); overrides inference",
     )
+    p.add_argument("--drafter", metavar="DIR",
+                   help="the served drafter's folder: hold the live acceptance against what training recorded")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.set_defaults(func=run)
 
@@ -58,13 +71,14 @@ def register(subparsers) -> None:
 def run(args) -> int:
     import json
 
-    from specdec.diagnose.core import diagnose
+    from specdec.diagnose.core import PROBLEMS, diagnose, drafter_reference
 
-    result = diagnose(args.source, window=args.window, cost_ratio=args.cost_ratio, k=args.k)
+    reference = drafter_reference(args.drafter) if args.drafter else None
+    result = diagnose(args.source, window=args.window, cost_ratio=args.cost_ratio, k=args.k, reference=reference)
     if args.json:
         print(json.dumps(result))
     else:
         from specdec.diagnose.pretty import print_result
 
         print_result(result)
-    return 0
+    return 1 if result["verdict"] in PROBLEMS else 0

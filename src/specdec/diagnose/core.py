@@ -15,10 +15,11 @@ from .. import __version__
 from ..errors import SpecdecError
 from . import metrics as m
 from .acceptance import Acceptance, summarize
-from .verdict import HEALTHY, LOSES, MARGINAL, judge
+from .verdict import FAR_BELOW, HEALTHY, LOSES, MARGINAL, PUBLISHED_EAGLE3, Reference, judge
 
 DEFAULT_WINDOW_S = 10.0
-_RANK = {LOSES: 1, MARGINAL: 2, HEALTHY: 3}
+_RANK = {FAR_BELOW: 0, LOSES: 1, MARGINAL: 2, HEALTHY: 3}
+PROBLEMS = (FAR_BELOW, LOSES)  # verdicts `diagnose` exits 1 on
 
 
 def _check_live(scrape: m.Scrape) -> None:
@@ -42,8 +43,26 @@ def _require_k(acc: Acceptance, source: str) -> None:
         )
 
 
-def _block(acc: Acceptance, cost_ratio: float | None) -> dict:
-    return {**acc.as_dict(), **judge(acc, cost_ratio=cost_ratio).as_dict()}
+def _block(acc: Acceptance, cost_ratio: float | None, reference: Reference | None = None) -> dict:
+    return {**acc.as_dict(), **judge(acc, cost_ratio=cost_ratio, reference=reference).as_dict()}
+
+
+def drafter_reference(folder: str) -> Reference:
+    """The acceptance `specdec train` recorded for a drafter on its held-out answers (k = 5)."""
+    import json
+    from pathlib import Path
+
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecdecError(f"cannot read {path} ({e}): expected a drafter folder written by specdec") from None
+    held = (((raw.get("specdec") or {}) if isinstance(raw, dict) else {}).get("provenance") or {}).get("heldout") or {}
+    al = held.get("walked_acceptance_length_k5")
+    if not al:
+        raise SpecdecError(f"{folder} records no held-out acceptance (trained elsewhere or by an older specdec): "
+                           f"drop --drafter to compare with published EAGLE-3 figures instead")
+    return Reference(float(al), 5, f"this drafter on its held-out training answers ({al:.2f} at k = 5)")
 
 
 def _compact(acc: Acceptance) -> dict:
@@ -62,6 +81,7 @@ def diagnose(
     cost_ratio: float | None = None,
     k: int | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    reference: Reference | None = None,
 ) -> dict:
     """Diagnose a /metrics URL (two scrapes `window` seconds apart), a saved file, or `-` (stdin).
 
@@ -117,15 +137,19 @@ def diagnose(
             "drafted anything when this was saved; send traffic first"
         )
     _require_k(overall, current.source)
+    if reference is None and (current.mode_hint or "eagle").startswith("eagle"):
+        reference = PUBLISHED_EAGLE3  # labelled as such; an n-gram or plain server gets none
 
     result = {
         "source": current.source,
         "engine": current.engine,
         "basis": basis,
         "window_s": window_s,
-        **_block(overall, cost_ratio),
+        **_block(overall, cost_ratio, reference),
         "throughput_tokens_per_s": throughput,
-        "per_label_set": [_block(p, cost_ratio) for p in parts] if len(parts) > 1 else [],
+        "per_label_set": [_block(p, cost_ratio, reference) for p in parts] if len(parts) > 1 else [],
+        "reference": None if reference is None else {"acceptance_length": reference.mean_acceptance_length,
+                                                     "k": reference.k, "label": reference.label},
         "totals_since_start": None,
         "specdec_version": __version__,
         "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

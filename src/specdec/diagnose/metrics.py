@@ -90,6 +90,7 @@ class Scrape:
     gen_throughput_gauge: float | None = None  # SGLang's own windowed tok/s
     server_info_accept_length: float | None = None  # SGLang, cumulative since start
     k_hint: int | None = None  # the served k, when the server states it (specdec:build_info)
+    mode_hint: str | None = None  # the drafting mode, when the server states it (specdec:build_info)
     taken_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -246,6 +247,7 @@ def parse_metrics(text: str, *, source: str = "<text>") -> Scrape:
                     k = sample.labels.get("k", "")
                     if k.isdigit() and int(k) > 0:
                         scrape.k_hint = int(k)
+                    scrape.mode_hint = sample.labels.get("mode") or scrape.mode_hint
         for sample in family.samples:
             name = sample.name
             if name.endswith("_created"):
@@ -366,6 +368,7 @@ def delta(before: Scrape, after: Scrape) -> Scrape:
         gen_throughput_gauge=after.gen_throughput_gauge,
         server_info_accept_length=after.server_info_accept_length,
         k_hint=after.k_hint,
+        mode_hint=after.mode_hint,
         taken_at=after.taken_at,
     )
     for key, a in after.spec.items():

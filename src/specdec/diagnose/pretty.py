@@ -9,9 +9,9 @@ from rich.table import Table
 from rich.text import Text
 
 from .metrics import format_labels
-from .verdict import HEALTHY, LOSES, MARGINAL
+from .verdict import FAR_BELOW, HEALTHY, LOSES, MARGINAL
 
-STYLE = {LOSES: "bold red", MARGINAL: "bold yellow", HEALTHY: "bold green"}
+STYLE = {FAR_BELOW: "bold red", LOSES: "bold red", MARGINAL: "bold yellow", HEALTHY: "bold green"}
 
 
 def pct(x: float | None) -> str:

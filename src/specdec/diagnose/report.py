@@ -308,7 +308,8 @@ def build_report(
         parts.append(f" · measured from: <code>{html.escape(str(data['source']))}</code>")
     parts.append("</p>")
     if data.get("verdict"):
-        cls = {"speculation loses": "v-loses", "marginal": "v-marginal", "healthy": "v-healthy"}
+        cls = {"acceptance far below reference": "v-loses",
+               "speculation loses": "v-loses", "marginal": "v-marginal", "healthy": "v-healthy"}
         parts.append(
             f'<div class="verdict {cls.get(data["verdict"], "")}">'
             f"{html.escape(str(data.get('headline') or data['verdict']))}</div>"

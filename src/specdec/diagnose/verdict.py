@@ -2,7 +2,11 @@
 
 The verdict compares predicted speedup S = E / (1 + k*c) at the server's k against 1: below it
 speculation loses, up to MARGINAL_BELOW it is marginal, above it is healthy. The recommended k
-maximizes S over the measured (or estimated) per-position curve.
+maximizes S over the measured (or estimated) per-position curve. Counters alone cannot say
+whether an acceptance is good, so with a reference (this drafter's own held-out acceptance, or
+published EAGLE-3 figures, labelled as such) an acceptance far below it is the verdict, whatever
+the cost: that is a fault to find (`specdec doctor --server`), not a k to tune. A cost ratio that
+is assumed is said to be, with the range of c over which the verdict holds.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from dataclasses import dataclass, field
 from . import theory
 from .acceptance import INDEPENDENT, SGLANG, Acceptance
 
+FAR_BELOW = "acceptance far below reference"
 LOSES = "speculation loses"
 MARGINAL = "marginal"
 HEALTHY = "healthy"
@@ -22,12 +27,36 @@ MARGINAL_BELOW = 1.2  # under 1.2x the drafter's memory and latency variance rar
 # usually reading the wrong target hidden states rather than being merely undertrained.
 LOW_POSITION0 = 0.35
 MIN_GAIN = 1.03  # a predicted gain under 3% is inside the model's error: don't suggest a change
+# Accepted tokens per step under this share of the reference's: not a weaker drafter, a fault.
+FAR_BELOW_SHARE = 0.6
+PLAUSIBLE_COST_RATIOS = (0.02, 0.05, 0.1, 0.2)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """An acceptance length the live one is held against, at `k` drafts per step."""
+
+    mean_acceptance_length: float
+    k: int
+    label: str
+
+    def at(self, k: int) -> float:
+        """The reference's expected tokens per step at another k: an i.i.d. fit of its own, not
+        extrapolated above its k (a claim of "far below" stays conservative)."""
+        a = theory.fit_iid_rate(self.mean_acceptance_length - 1, self.k)
+        return theory.expected_tokens_iid(a, min(k, self.k))
+
+
+# DESIGN.md's anchors: SpecForge's published Llama-3.1-8B drafter, MT-Bench, 3 steps, batch 1.
+PUBLISHED_EAGLE3 = Reference(2.90, 3, "published EAGLE-3 drafters (SpecForge's Llama-3.1-8B drafter: 2.90 at "
+                                      "k = 3 on MT-Bench), if this server runs an EAGLE-3 drafter")
 
 
 @dataclass(kw_only=True)
 class Verdict:
     verdict: str
     headline: str
+    speed_verdict: str = ""  # loses / marginal / healthy at the cost ratio, whatever the reference says
     cost_ratio: float
     cost_ratio_assumed: bool = False
     reasons: list[str] = field(default_factory=list)
@@ -44,6 +73,7 @@ class Verdict:
     def as_dict(self) -> dict:
         return {
             "verdict": self.verdict,
+            "speed_verdict": self.speed_verdict,
             "headline": self.headline,
             "reasons": list(self.reasons),
             "next_steps": list(self.next_steps),
@@ -78,8 +108,10 @@ def _k_flag(counting: str, k: int) -> str:
     return f"vLLM: --speculative-config '{{\"num_speculative_tokens\": {k}, ...}}'"
 
 
-def judge(acc: Acceptance, *, cost_ratio: float | None = None, k_max: int | None = None) -> Verdict:
-    """The verdict for one acceptance summary at draft/target cost ratio c (default 0.05)."""
+def judge(acc: Acceptance, *, cost_ratio: float | None = None, k_max: int | None = None,
+          reference: Reference | None = None) -> Verdict:
+    """The verdict for one acceptance summary at draft/target cost ratio c (default 0.05, assumed),
+    held against `reference` when one is known."""
     assumed = cost_ratio is None
     c = theory.DEFAULT_COST_RATIO if assumed else float(cost_ratio)
     if not acc.has_data:
@@ -99,10 +131,22 @@ def judge(acc: Acceptance, *, cost_ratio: float | None = None, k_max: int | None
     best = theory.best_k(acc.curve, c, k_max) if acc.curve else None
     verdict = classify(s)
     c_note = " (assumed; measure it and pass --cost-ratio)" if assumed else ""
+    headline = f"{verdict}: {s:.2f}x predicted at k = {k}, c = {c:g}"
+    if assumed and c_star is not None:
+        headline += f" (assumed; {'pays only while c < ' + format(c_star, '.3f') if c_star > 0 else 'never pays'})"
+    ref_e = reference.at(k) if reference is not None else None
+    far_below = ref_e is not None and e - 1 < FAR_BELOW_SHARE * (ref_e - 1)
+    if far_below:
+        verdict = FAR_BELOW
+        loses = (f"speculation loses at any cost ratio above {max(c_star or 0, 0):.3f}" if c_star is not None
+                 else "speculation cannot pay")
+        headline = (f"{FAR_BELOW}: {e:.2f} against ~{ref_e:.2f} tokens per step at k = {k} ({reference.label}); "
+                    f"{loses}; run `specdec doctor --server`")
 
     out = Verdict(
         verdict=verdict,
-        headline=f"{verdict}: {s:.2f}x predicted at k = {k}, c = {c:g}",
+        speed_verdict=classify(s),
+        headline=headline,
         cost_ratio=c,
         cost_ratio_assumed=assumed,
         expected_tokens_per_pass=e,
@@ -132,6 +176,13 @@ def judge(acc: Acceptance, *, cost_ratio: float | None = None, k_max: int | None
         f"at c = {c:g}{c_note} one speculative step costs {1 + k * c:.2f} target passes and "
         f"commits {e:.2f} tokens: predicted speedup {s:.2f}x"
     )
+    if assumed:
+        r.append("over plausible cost ratios: " + ", ".join(
+            f"c = {x:g}: {theory.speedup(e, k, x):.2f}x ({classify(theory.speedup(e, k, x))})"
+            for x in PLAUSIBLE_COST_RATIOS))
+    if ref_e is not None:
+        r.append(f"reference: {reference.label}; at k = {k} that is ~{ref_e:.2f} tokens per step against "
+                 f"{e:.2f} here ({100 * (e - 1) / max(ref_e - 1, 1e-9):.0f}% of its accepted tokens)")
 
     # Position 0 tells a broken drafter from a weak one.
     if acc.per_position:
@@ -159,6 +210,12 @@ def judge(acc: Acceptance, *, cost_ratio: float | None = None, k_max: int | None
     r.extend(acc.notes)
 
     n = out.next_steps
+    if far_below:
+        n.append(
+            "run `specdec doctor --target TARGET --drafter DRAFTER --server URL`: acceptance this far under "
+            "the reference usually means the server feeds the drafter other hidden states, another vocab "
+            "mapping or another norm than training did; tuning k will not fix it"
+        )
     if best is not None:
         if best.k == 0:
             n.append(
@@ -178,13 +235,13 @@ def judge(acc: Acceptance, *, cost_ratio: float | None = None, k_max: int | None
             )
         else:
             n.append(f"keep k = {k}: it is already the best for c = {c:g}")
-    if low_p0:
+    if low_p0 and not far_below:
         n.append(
             "run `specdec doctor` on the drafter and target: position-0 acceptance this low "
             "usually means a hidden-state/layer-id mismatch (aux layer ids off by one, or a "
             "drafter trained against another target or tokenizer), not an undertrained drafter"
         )
-    elif verdict != HEALTHY:
+    elif verdict not in (HEALTHY, FAR_BELOW):
         n.append(
             "improve the drafter: train longer or on data closer to the served traffic "
             "(specdec train), then compare with `specdec eval`"

@@ -62,28 +62,25 @@ def _provenance_checks(cfg, drafter, target) -> list[Check]:
         return [Check("provenance", WARN, "the drafter records no training provenance (trained elsewhere or by an "
                       "older specdec): template, target-weight and scale checks skipped",
                       "retrain with specdec train, or compare by hand")]
-    out = []
     tok = getattr(target, "tokenizer", None)
-    if prov.get("tokenizer_fingerprint") and tok is not None:
-        now = tokenizer_fingerprint(tok, target.eos_token_ids)
-        if now != prov["tokenizer_fingerprint"]:
-            out.append(Check("chat template and tokenizer", FAIL,
-                             f"the target's chat template, vocab or end tokens changed since training "
-                             f"(fingerprint {prov['tokenizer_fingerprint']} then, {now} now): prompts render "
-                             f"differently from the text the drafter learned",
-                             "serve with the chat template training used, or regenerate and retrain with this one"))
-        else:
-            out.append(Check("chat template and tokenizer", OK, "as in training"))
-    if prov.get("target_fingerprint") and hasattr(target, "fingerprint"):
-        now = target.fingerprint()
-        if now != prov["target_fingerprint"]:
-            out.append(Check("target weights", WARN,
-                             f"the target differs from the one trained against (fingerprint "
-                             f"{prov['target_fingerprint']} then, {now} now): another revision, a fine-tune or a "
-                             f"quantization changes the hidden states the drafter reads",
-                             "serve the target the drafter was trained for, or retrain on this one"))
-        else:
-            out.append(Check("target weights", OK, "the target trained against"))
+    now = {"tokenizer_fingerprint": tokenizer_fingerprint(tok, target.eos_token_ids) if tok is not None else None,
+           "target_fingerprint": target.fingerprint() if hasattr(target, "fingerprint") else None}
+    # (what, key, status when it changed, what a change means, the fix, the ok detail)
+    compared = [
+        ("chat template and tokenizer", "tokenizer_fingerprint", FAIL,
+         "the target's chat template, vocab or end tokens changed since training: prompts render differently "
+         "from the text the drafter learned",
+         "serve with the chat template training used, or regenerate and retrain with this one", "as in training"),
+        ("target weights", "target_fingerprint", WARN,
+         "the target differs from the one trained against: another revision, a fine-tune or a quantization "
+         "changes the hidden states the drafter reads",
+         "serve the target the drafter was trained for, or retrain on this one", "the target trained against"),
+    ]
+    out = []
+    for name, key, status, changed, fix, same in compared:
+        if prov.get(key) and now[key]:
+            out.append(Check(name, OK, same) if now[key] == prov[key] else
+                       Check(name, status, f"{changed} (fingerprint {prov[key]} then, {now[key]} now)", fix))
     recorded = prov.get("weight_norms") or {}
     if recorded:
         now = drafter.weight_norms()

@@ -119,26 +119,19 @@ def _ci(rows: list[dict], i: int) -> str:
 def explain(live: dict, target, drafter, conversations, *, k: int, max_tokens: int) -> dict | None:
     """Which served-state hypothesis reproduces the live acceptance: the reference rerun under
     each switch of the sweep, the closest one within noise named."""
-    from .sweep import HYPOTHESES, _se
+    from .sweep import HYPOTHESES, _se, switched
 
     la = live["mean_acceptance_length"] or 1.0
     lse = acceptance_length_se(live.get("per_position_acceptance") or [], live.get("num_drafts") or 0)
-    import torch
-
     rows = []
     for h in HYPOTHESES:
-        with torch.no_grad():
-            undo = h.apply(target, drafter)
-        if undo is None:
-            continue
-        try:
+        with switched(h, target, drafter) as applies:
+            if not applies:
+                continue
             m = measure_reference(target, drafter, conversations, k=k, max_tokens=max_tokens)
-            m["served_ids"] = list(drafter.cfg.aux_layer_ids)
-        finally:
-            with torch.no_grad():
-                undo()
+            served = list(drafter.cfg.aux_layer_ids)
         rows.append({"hypothesis": h.name, "fix": h.fix, "mean_acceptance_length": m["mean_acceptance_length"],
-                     "se": _se(m), "served_ids": m["served_ids"]})
+                     "se": _se(m), "served_ids": served})
     target.set_aux_layer_ids(drafter.cfg.aux_layer_ids)
     matches = [r for r in rows if not differ(r["mean_acceptance_length"], r["se"], la, lse, z=2.0)]
     best = min(matches, key=lambda r: abs(r["mean_acceptance_length"] - la), default=None)

@@ -14,6 +14,7 @@ taps may not, and then a sweep that finds nothing is no evidence of health.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -130,6 +131,19 @@ HYPOTHESES = [
 PROBES = {"aux state 0 zero", "aux state 1 zero", "aux state 2 zero"}
 
 
+@contextmanager
+def switched(h: Hypothesis, target, drafter):
+    """Hypothesis `h` applied for the body (yields False when it does not apply), then undone."""
+    with torch.no_grad():
+        undo = h.apply(target, drafter)
+    try:
+        yield undo is not None
+    finally:
+        if undo is not None:
+            with torch.no_grad():
+                undo()
+
+
 def _se(row: dict) -> float:
     n = row.get("num_drafts")
     return acceptance_length_se(row.get("per_position_acceptance") or [], n) if n else 0.0
@@ -154,15 +168,10 @@ def diagnose_drafter(target, drafter, tokenizer, conversations, *, k: int = 5, m
     base_al, base_se = base["mean_acceptance_length"], _se(base)
     rows = [{"hypothesis": "as configured", **base, "se": base_se}]
     for h in HYPOTHESES:
-        with torch.no_grad():
-            undo = h.apply(target, drafter)
-        if undo is None:
-            continue
-        try:
+        with switched(h, target, drafter) as applies:
+            if not applies:
+                continue
             m = measure()
-        finally:
-            with torch.no_grad():
-                undo()
         se = _se(m)
         rows.append({"hypothesis": h.name, "meaning": h.meaning, "fix": h.fix, **m, "se": se,
                      "delta": m["mean_acceptance_length"] - base_al,

@@ -240,6 +240,17 @@ def test_refuses_drafter_for_another_target(override, needle, target, tiny_dirs,
     assert_refused(rc, err, needle, "another target")
 
 
+@pytest.mark.parametrize("config", ["[1, 2]", '{"architectures": ["LlamaForCausalLMEagle3"]}',
+                                    '{"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": "big", '
+                                    '"intermediate_size": 8, "num_attention_heads": 2, "vocab_size": 9}'])
+def test_refuses_broken_config_in_one_line(config, drafter_dir, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(drafter_dir, bad)
+    (bad / "config.json").write_text(config)
+    rc, _, err = cli(["export", "--drafter", bad, tmp_path / "o"], capsys)
+    assert_refused(rc, err, "config")
+
+
 def test_refuses_missing_d2t(drafter_dir, tmp_path, capsys):
     bad = tmp_path / "nod2t"
     shutil.copytree(drafter_dir, bad)

@@ -263,8 +263,14 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype=torch.floa
         raise SpecdecError(f"{folder / 'config.json'} is not valid JSON ({e}); export the drafter again") from e
     if not isinstance(raw, dict):
         raise SpecdecError(f"{folder / 'config.json'} holds a JSON {type(raw).__name__}: expected an object")
-    cfg = parse_config(raw, target.num_layers if target is not None else None,
-                       getattr(getattr(target, "config", None), "model_type", None))
+    try:
+        cfg = parse_config(raw, target.num_layers if target is not None else None,
+                           getattr(getattr(target, "config", None), "model_type", None))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        what = f"lacks {e.args[0]!r}" if isinstance(e, KeyError) else f"has a field of the wrong type ({e})"
+        raise SpecdecError(f"{folder / 'config.json'} {what}: expected an EAGLE-3 drafter config (hidden_size, "
+                           f"intermediate_size, num_attention_heads, vocab_size, ...); export the drafter "
+                           f"again") from None
     tensors = {k.replace("layers.0.", "midlayer."): v for k, v in _read_tensors(folder).items()}
     if "d2t" not in tensors and cfg.draft_vocab_size == cfg.vocab_size:
         # A full-vocab drafter needs no mapping; speculators then saves no d2t/t2d at all.

@@ -116,6 +116,35 @@ def test_changed_chat_template_is_named(run, tiny_dirs, tmp_path, capsys):
     assert rc == 1 and c["status"] == "fail" and "changed since training" in c["detail"]
 
 
+def test_flipped_norm_flag_is_named_by_the_sweep(run, tiny_dirs, tmp_path, capsys):
+    def flip(raw):
+        raw["norm_before_residual"] = not raw["norm_before_residual"]
+        raw["specdec"].pop("provenance")  # an edit no weight norm or fingerprint can see
+
+    bad = broken_copy(run, tmp_path, config=flip)
+    rc, out, _ = doctor(["--target", tiny_dirs["llama"], "--drafter", bad, "--prompts", run / "regen.jsonl",
+                         "--limit", "4", "--max-new-tokens", "32", "--json"], capsys)
+    data = json.loads(out)
+    assert rc == 1 and data["sweep"]["mismatch"] == "norm_before_residual flipped", data["verdict"]
+    assert "norm_before_residual to the other value" in data["recommendation"]
+
+
+def test_changed_target_weights_show_in_the_state_check(run, tiny_dirs, tmp_path, capsys):
+    target = tmp_path / "target"
+    shutil.copytree(tiny_dirs["llama"], target)
+    w = load_file(str(target / "model.safetensors"))
+    w = {k: v * 1.5 if k.startswith("model.layers.1.mlp.") else v for k, v in w.items()}
+    save_file(w, str(target / "model.safetensors"), metadata={"format": "pt"})
+    rc, out, _ = doctor(["--target", target, "--drafter", run / "train" / "drafter", "--prompts",
+                         run / "regen.jsonl", "--limit", "1", "--max-new-tokens", "8", "--json"], capsys)
+    data = json.loads(out)
+    checks = checks_of(out)
+    assert checks["target weights"]["status"] == "warn"
+    states = checks["hidden states vs training capture"]
+    assert rc == 1 and states["status"] == "fail" and "ids [2, 4]" in states["detail"]
+    assert data["states"]["relative_error"]["1"] < 0.05  # layer 1's input is untouched
+
+
 def test_drafter_for_another_target_is_named(run, tiny_dirs, capsys):
     # Same shapes, another architecture: it loads, and it is still the wrong target.
     rc, out, _ = doctor(["--target", tiny_dirs["qwen2"], "--drafter", run / "train" / "drafter", "--checks-only",

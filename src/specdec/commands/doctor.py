@@ -43,6 +43,9 @@ def register(subparsers) -> None:
     p.add_argument("--engine", choices=["vllm", "sglang", "both", "specdec"], default="both",
                    help="which engines' reading of the folder the static checks judge (default: both; "
                         "specdec: none, the drafter runs on specdec's engine only)")
+    p.add_argument("--capture", metavar="DIR",
+                   help="the capture the drafter was trained on (default: the one train recorded, if it is still "
+                        "there): recompute a few samples' aux states with the target now and compare")
     p.add_argument("--checks-only", action="store_true", help="static checks only (no model runs)")
     p.add_argument("--prompts", default="mt-bench", help="prompt source (default: mt-bench)")
     p.add_argument("--limit", type=int, help="prompts per measurement (default: 3, with --server 8)")
@@ -84,8 +87,23 @@ def diagnose_all(args) -> dict:
 
     target = load_target(args.target, device=args.device)
     checks, drafter = static_checks(args.drafter, target, _engines(args.engine))
+    states = None
+    recorded = (drafter.cfg.provenance or {}).get("capture") if drafter is not None else None
+    capture = args.capture or recorded
+    if capture and drafter is not None and not args.checks_only:
+        from pathlib import Path
+
+        from ..doctor.checks import capture_check
+
+        if (Path(capture) / "manifest.json").is_file():
+            check, states = capture_check(target, drafter.to(device=target.device, dtype=target.dtype), capture)
+            checks.append(check)
+        elif args.capture:
+            from ..errors import SpecdecError
+
+            raise SpecdecError(f"--capture {capture}: no manifest.json there; expected a `specdec capture` folder")
     out = {"checks": [c.as_dict() for c in checks], "live": None, "reference": None, "sweep": None,
-           "recommendation": None}
+           "recommendation": None, "states": states}
     failed = [c for c in checks if c.status == FAIL]
     if drafter is None or args.checks_only:
         if failed:
@@ -117,9 +135,9 @@ def diagnose_all(args) -> dict:
             out["sweep"] = found
             if found["match"]:
                 m = found["match"]
-                why += (f"; the reference under '{m['hypothesis']}' (states {m['served_ids']} instead of "
-                        f"{list(drafter.cfg.aux_layer_ids)} where the ids move) accepts "
-                        f"{m['mean_acceptance_length']:.2f}, as the server does")
+                why += (f"; fed {m['fed']} instead of the trained hidden_states{list(drafter.cfg.aux_layer_ids)} "
+                        f"('{m['hypothesis']}'), specdec's engine accepts {m['mean_acceptance_length']:.2f}, as the "
+                        f"server does")
                 out["recommendation"] = m["fix"]
             else:
                 why += "; no single switch of the sweep reproduces the live figure"

@@ -138,3 +138,12 @@ def static_checks(folder: str | Path, target,
             checks.append(Check(f"{r.name} reading", FAIL, r.verdict(ids), fix))
     checks += _provenance_checks(cfg, drafter, target)
     return checks, drafter
+
+
+def capture_check(target, drafter, capture_dir) -> tuple[Check, dict]:
+    """The served-vs-trained state check (doctor/states.py) as one check."""
+    from .states import state_check
+
+    r = state_check(target, drafter, capture_dir)
+    return Check("hidden states vs training capture", OK if r["ok"] else FAIL, r["detail"],
+                 None if r["ok"] else "serve the target (revision, dtype, layers) the capture was made with"), r

@@ -129,9 +129,9 @@ def explain(live: dict, target, drafter, conversations, *, k: int, max_tokens: i
             if not applies:
                 continue
             m = measure_reference(target, drafter, conversations, k=k, max_tokens=max_tokens)
-            served = list(drafter.cfg.aux_layer_ids)
+            fed = h.fed(list(drafter.cfg.aux_layer_ids))
         rows.append({"hypothesis": h.name, "fix": h.fix, "mean_acceptance_length": m["mean_acceptance_length"],
-                     "se": _se(m), "served_ids": served})
+                     "se": _se(m), "fed": fed})
     target.set_aux_layer_ids(drafter.cfg.aux_layer_ids)
     matches = [r for r in rows if not differ(r["mean_acceptance_length"], r["se"], la, lse, z=2.0)]
     best = min(matches, key=lambda r: abs(r["mean_acceptance_length"] - la), default=None)

@@ -32,6 +32,8 @@ class Hypothesis:
     meaning: str
     fix: str
     apply: Callable  # (target, drafter) -> undo callable, or None when it does not apply
+    # What the drafter is fed under the switch, given the ids it then reads.
+    fed: Callable[[list[int]], str] = lambda ids: f"hidden_states{ids}"
 
 
 def _shift(delta: int):
@@ -119,9 +121,11 @@ HYPOTHESES = [
     Hypothesis("identity d2t", "the lm_head rows are target ids, not a reduced vocab",
                "drop d2t (or export with an identity mapping); the drafter was trained without one",
                _identity_vocab),
-    *(Hypothesis(f"aux state {s} zero", f"the drafter reads aux state {s} as if it were zeros",
-                 f"the drafter is barely using aux state {s}: it would not notice a server feeding nothing there",
-                 _zero_aux(s)) for s in range(3)),
+    *(Hypothesis(f"aux state {s} zero", f"the drafter is fed zeros for aux state {s}",
+                 f"the server feeds nothing for the drafter's aux state {s}: check that it captures that layer "
+                 f"(vLLM once captured nothing for the last id of DeepSeek/Kimi targets, PR 46788)",
+                 _zero_aux(s), lambda ids, s=s: f"hidden_states{ids} with [{ids[s]}] as zeros")
+      for s in range(3)),
     Hypothesis("weights rescaled to training's norms", "the weights were scaled after training",
                "re-export the drafter from its training run; a tensor's norm differs from what train saved",
                _rescale),

@@ -370,7 +370,7 @@ def print_summary(info: dict, validation: dict, verb: str = "exported") -> None:
     con.print(f"  SpecForge / ModelOpt (index of the decoder layer whose output): {ids['specforge']}")
     if ids["sglang"] is not None:
         con.print(f"  SGLang eagle_config (read by its rule for {info['target_model_type'] or 'the target'}):"
-                  f"{'':<4}{ids['sglang']}")
+                  f" {ids['sglang']}")
     con.print("serve with vLLM:")
     con.print(f"  {info['serve']['vllm']}")
     if info["serve"].get("vllm_short"):

@@ -9,10 +9,24 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.cli import main
-from specdec.commands.export import _probe
 from specdec.conventions import from_canonical
 from specdec.models.drafter import DrafterConfig, Eagle3Drafter
 from specdec.models.formats import load_drafter, save_drafter
+
+def _probe(drafter, seed: int = 0):
+    """Logits of two drafting steps on a seeded random input: the target-state path and the
+    recycled-hidden path, so every weight and switch takes part."""
+    c = drafter.cfg
+    g = torch.Generator().manual_seed(seed)
+    T = 12
+    ids = torch.randint(0, c.vocab_size, (1, T), generator=g)
+    aux = torch.randn(1, T, len(c.aux_layer_ids) * c.target_hidden_size, generator=g)
+    pos = torch.arange(T)[None]
+    with torch.no_grad():
+        h, logits0 = drafter(ids, aux, pos)
+        _, logits1 = drafter(ids.roll(-1, 1), h, pos + 1)
+    return torch.cat([logits0, logits1], 1)
+
 
 AUX = [2, 3, 4]  # canonical ids, distinct (speculators refuses repeats)
 DRAFT_VOCAB = 100

@@ -455,6 +455,12 @@ def engine_view(reading: EngineReading, raw: dict, tensors: dict[str, torch.Tens
     return drafter.eval(), d2t
 
 
+def random_states(top: int, hidden_size: int, tokens: int = 8, seed: int = 0) -> dict[int, torch.Tensor]:
+    """Seeded random target states, one per hidden_states index 0..top: what the checks feed."""
+    g = torch.Generator().manual_seed(seed)
+    return {i: torch.randn(1, tokens, hidden_size, generator=g) for i in range(top + 1)}
+
+
 def target_space_logits(drafter, d2t: torch.Tensor, states: dict[int, torch.Tensor], ids: list[int],
                         vocab_size: int, seed: int = 0) -> torch.Tensor:
     """Two drafting steps (target states, then the recycled hidden) fed `states[i] for i in ids`,
@@ -490,17 +496,14 @@ def check_folder(folder: str | Path, trained, target: TargetFacts, target_embedd
     from .models.formats import _read_tensors
 
     folder = Path(folder)
-    raw = json.loads((folder / "config.json").read_text())
-    shapes = tensor_headers(folder)
-    readings = {e: read_config(e, raw, shapes, target, (trained.cfg, trained.d2t.cpu())) for e in engines}
+    readings = read_folder(folder, target, (trained.cfg, trained.d2t.cpu()), engines)
     runnable = {e: r for e, r in readings.items() if r.loads and r.fed_ids is not None}
     if not runnable:
         return readings
+    raw = json.loads((folder / "config.json").read_text())
     tensors = _read_tensors(folder)
-    tH = trained.cfg.target_hidden_size
-    g = torch.Generator().manual_seed(0)
     top = max([*trained.cfg.aux_layer_ids, *(i for r in runnable.values() for i in r.fed_ids)])
-    states = {i: torch.randn(1, 8, tH, generator=g) for i in range(top + 1)}
+    states = random_states(top, trained.cfg.target_hidden_size)
     want = {"drafter": target_space_logits(trained, trained.d2t.cpu(), states, list(trained.cfg.aux_layer_ids),
                                            target.vocab_size)}
     own = trained.embed_tokens.weight.detach().float().cpu()

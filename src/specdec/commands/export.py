@@ -214,23 +214,6 @@ def _share(out: Path) -> None:
             f.chmod(0o666 & ~mask)
 
 
-def _probe(drafter, seed: int = 0):
-    """Logits of two drafting steps on a seeded random input: the target-state path and the
-    recycled-hidden path, so every weight and switch takes part."""
-    import torch
-
-    c = drafter.cfg
-    g = torch.Generator().manual_seed(seed)
-    T = 12
-    ids = torch.randint(0, c.vocab_size, (1, T), generator=g)
-    aux = torch.randn(1, T, len(c.aux_layer_ids) * c.target_hidden_size, generator=g)
-    pos = torch.arange(T)[None]
-    with torch.no_grad():
-        h, logits0 = drafter(ids, aux, pos)
-        _, logits1 = drafter(ids.roll(-1, 1), h, pos + 1)
-    return torch.cat([logits0, logits1], 1)
-
-
 def write_and_validate(drafter, out: Path, fmt: str, *, target_like, target_name, verifier, k: int,
                        dtype_flag: str, include_embeddings: bool) -> dict:
     """Save `drafter` to `out` in `fmt`, load the folder back and require the same logits, then
@@ -239,7 +222,7 @@ def write_and_validate(drafter, out: Path, fmt: str, *, target_like, target_name
 
     import torch
 
-    from ..engine_rules import TargetFacts, check_folder
+    from ..engine_rules import TargetFacts, check_folder, logit_gap, random_states, target_space_logits
     from ..errors import SpecdecError
     from ..models.formats import load_drafter, save_drafter
 
@@ -278,11 +261,7 @@ def write_and_validate(drafter, out: Path, fmt: str, *, target_like, target_name
     if not torch.equal(reloaded.draft_to_target.cpu().sort().values, drafter.draft_to_target.cpu().sort().values):
         problems.append("the draft vocabulary differs")
     # Compared in target-token space: the written layout may reorder fc blocks and lm_head rows.
-    from ..engine_rules import logit_gap, target_space_logits
-
-    g = torch.Generator().manual_seed(0)
-    tH = drafter.cfg.target_hidden_size
-    states = {i: torch.randn(1, 12, tH, generator=g) for i in range(max(drafter.cfg.aux_layer_ids) + 1)}
+    states = random_states(max(drafter.cfg.aux_layer_ids), drafter.cfg.target_hidden_size, tokens=12)
     vocab = drafter.cfg.vocab_size
     want = target_space_logits(reference, reference.d2t, states, list(drafter.cfg.aux_layer_ids), vocab)
     got = target_space_logits(reloaded, reloaded.d2t.cpu(), states, list(reloaded.cfg.aux_layer_ids), vocab)

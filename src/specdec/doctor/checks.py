@@ -102,7 +102,7 @@ def static_checks(folder: str | Path, target,
     """(checks, the drafter as specdec loads it, or None when it cannot be loaded)."""
     from ..engine_rules import TargetFacts, read_folder
     from ..errors import SpecdecError
-    from ..models.formats import _read_tensors, load_drafter
+    from ..models.formats import load_drafter
 
     folder = Path(folder)
     checks: list[Check] = []
@@ -125,8 +125,8 @@ def static_checks(folder: str | Path, target,
     if all(recorded) and recorded != now:
         checks.append(Check("target architecture", FAIL, f"trained for a {recorded[1]}-layer {recorded[0]} target, "
                             f"served with a {now[1]}-layer {now[0]}", "use the target the drafter was trained for"))
-    tensors = _read_tensors(folder)
-    checks += _vocab_checks(cfg, drafter.d2t.cpu(), tensors.get("t2d"), folder)
+    # load_drafter keeps the file's t2d, or derives it from d2t when the file has none.
+    checks += _vocab_checks(cfg, drafter.d2t.cpu(), drafter.t2d.cpu(), folder)
     raw = json.loads((folder / "config.json").read_text())
     readings = read_folder(folder, TargetFacts.of(target), (cfg, drafter.d2t.cpu()), engines)
     for engine, r in readings.items():

@@ -56,13 +56,10 @@ def measure_live(url: str, conversations, *, max_tokens: int, model: str | None 
 
 
 def measure_reference(target, drafter, conversations, *, k: int, max_tokens: int, progress: bool = False) -> dict:
-    from ..engine.engine import SpeculativeEngine
-    from ..evaluate import evaluate
+    from .sweep import measure_engine
 
-    engine = SpeculativeEngine(target, drafter=drafter, k=k)
-    r = evaluate(engine, target.tokenizer, conversations, max_new_tokens=max_tokens, progress=progress, warmup=False)
-    return {key: r[key] for key in ("k", "num_drafts", "mean_acceptance_length", "per_position_acceptance",
-                                    "accepted_per_position", "new_tokens")}
+    return measure_engine(target, drafter, target.tokenizer, conversations, k=k, max_tokens=max_tokens,
+                          progress=progress)
 
 
 def _intervals(m: dict) -> list[tuple[float, float]]:

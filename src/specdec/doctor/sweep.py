@@ -148,6 +148,17 @@ def switched(h: Hypothesis, target, drafter):
                 undo()
 
 
+def measure_engine(target, drafter, tokenizer, conversations, *, k: int, max_tokens: int,
+                   progress: bool = False) -> dict:
+    """The drafter's acceptance with specdec's engine on these prompts, greedy, as switched now."""
+    from ..evaluate import evaluate
+
+    engine = SpeculativeEngine(target, drafter=drafter, k=k)
+    r = evaluate(engine, tokenizer, conversations, max_new_tokens=max_tokens, progress=progress, warmup=False)
+    return {key: r[key] for key in ("k", "num_drafts", "mean_acceptance_length", "per_position_acceptance",
+                                    "accepted_per_position", "new_tokens")}
+
+
 def _se(row: dict) -> float:
     n = row.get("num_drafts")
     return acceptance_length_se(row.get("per_position_acceptance") or [], n) if n else 0.0
@@ -158,15 +169,8 @@ def diagnose_drafter(target, drafter, tokenizer, conversations, *, k: int = 5, m
     """Acceptance under each hypothesis. `measure` (default: the engine over `conversations`)
     returns the engine summary (mean_acceptance_length, per_position_acceptance, num_drafts) for
     the current switches."""
-    from ..evaluate import evaluate
-
-    def engine_measure():
-        engine = SpeculativeEngine(target, drafter=drafter, k=k)
-        r = evaluate(engine, tokenizer, conversations, max_new_tokens=max_new_tokens, progress=progress, warmup=False)
-        return {key: r[key] for key in ("mean_acceptance_length", "per_position_acceptance", "num_drafts",
-                                        "accepted_per_position")}
-
-    measure = measure or engine_measure
+    measure = measure or (lambda: measure_engine(target, drafter, tokenizer, conversations, k=k,
+                                                 max_tokens=max_new_tokens, progress=progress))
     configured_ids = list(drafter.cfg.aux_layer_ids)
     base = measure()
     base_al, base_se = base["mean_acceptance_length"], _se(base)

@@ -176,3 +176,47 @@ def test_server_faults_are_found_live(run, tiny_dirs, fault, named, capsys):
 def test_bad_fault_is_refused_before_loading(capsys):
     assert main(["serve", "--target", "tiny-llama", "--ngram", "3", "--fault", "shift=1"]) == 2
     assert "expected aux-ids=2,16,28 or zero-aux=SLOT" in capsys.readouterr().err
+
+
+def test_every_switch_walked_on_the_reference_text_counts_what_the_engine_counts(run, tiny_dirs):
+    """The sweep's fast path: each hypothesis measured on the reference's own text gives, step by
+    step, the drafts the engine accepts when it generates under that switch; and every switch is
+    undone afterwards."""
+    from contextlib import nullcontext
+
+    from specdec.data.datasets import load_conversations
+    from specdec.doctor.sweep import HYPOTHESES, Reference, Sweep, switched
+    from specdec.engine.api import SamplingParams
+    from specdec.engine.engine import SpeculativeEngine
+    from specdec.models.formats import load_drafter
+    from specdec.models.target import load_target
+
+    target = load_target(str(tiny_dirs["llama"]), device="cpu")
+    drafter = load_drafter(run / "train" / "drafter", target)
+    before = ({k: v.clone() for k, v in drafter.state_dict().items()}, list(drafter.cfg.aux_layer_ids),
+              drafter.cfg.norm_before_residual, target.last_state)
+    k, params = 4, SamplingParams(max_new_tokens=24)
+    reference = Reference(target, drafter, k=k, max_tokens=24)
+    for conv in load_conversations(str(run / "regen.jsonl"), limit=3, seed=0):
+        reference.add(conv)
+    sweep = Sweep(target, drafter, k)
+    for text in reference.texts:
+        sweep.add(text)
+    assert len(sweep.walks) >= 6  # the ids shifts, norm flag, d2t, the zeroed states at least
+    moved = 0
+    for name, walks in sweep.walks.items():
+        h = next((h for h in HYPOTHESES if h.name == name), None)
+        with switched(h, target, drafter) if h else nullcontext():
+            engine = SpeculativeEngine(target, drafter=drafter, k=k)  # reads the ids as switched
+            for text, walk in zip(reference.texts, walks):
+                prompt = text.ids[: text.prompt_len].tolist()
+                steps = list(engine.generate_iter(prompt, params))
+                assert [t for s in steps for t in s.token_ids] == text.ids[text.prompt_len:].tolist()  # lossless
+                # The engine's last step is cut at max_new_tokens; the walk ends with the text.
+                accepted = [min(s.accepted, len(s.token_ids) - 1) for s in steps if s.drafted]
+                assert accepted == walk.accepted, name
+        target.set_aux_layer_ids(drafter.cfg.aux_layer_ids)
+        moved += [w.accepted for w in walks] != [w.accepted for w in sweep.walks["as configured"]]
+    assert moved >= 3  # the comparison is not between identical figures
+    assert all(torch.equal(v, before[0][n]) for n, v in drafter.state_dict().items())
+    assert (list(drafter.cfg.aux_layer_ids), drafter.cfg.norm_before_residual, target.last_state) == before[1:]

@@ -177,42 +177,6 @@ def test_ddp_gloo_two_processes_and_resume_on_one(tiny, capture_dir, tmp_path):
     assert "resuming from" in r.stderr and json.loads((out / "train_summary.json").read_text())["steps"] == 6
 
 
-def test_doctor_switches_each_hypothesis_and_restores_state(tiny, capture_dir, tmp_path):
-    """Each hypothesis must change exactly what it claims while measured, and the verdict must
-    name the one that restores acceptance. The measurement is injected: it reports high
-    acceptance only when the drafter reads the layers it was trained on."""
-    from specdec.doctor import diagnose_drafter
-
-    target = load_target(tiny, device="cpu")
-    train(target, OfflineSource(CaptureStore(capture_dir)),
-          TrainConfig(out=str(tmp_path / "run"), max_steps=2, draft_vocab_size=64, batch_tokens=1024, ttt_steps=2,
-                      eval_every=10_000), progress=False)
-    drafter = load_drafter(tmp_path / "run" / "drafter", target)
-    trained_ids = list(drafter.cfg.aux_layer_ids)
-    seen = []
-
-    def measure():
-        seen.append((list(drafter.cfg.aux_layer_ids), target.last_state, drafter.cfg.norm_before_residual,
-                     bool(drafter.d2t.any())))
-        return {"mean_acceptance_length": 3.0 if drafter.cfg.aux_layer_ids == trained_ids else 1.1,
-                "per_position_acceptance": []}
-
-    d2t = drafter.d2t.clone()
-    drafter.cfg.aux_layer_ids = [i - 1 for i in trained_ids]  # exported one layer too shallow
-    result = diagnose_drafter(target, drafter, None, [], measure=measure)
-    assert result["mismatch"] == "aux ids +1"
-    assert "specforge" in result["verdict"]
-    shallow = [i - 1 for i in trained_ids]
-    assert seen[0] == (shallow, "pre_norm", False, True)  # as configured
-    assert (trained_ids, "pre_norm", False, True) in seen  # ids +1
-    assert any(s[2] is True for s in seen) and any(s[3] is False for s in seen)
-    # Everything is back as it was.
-    assert drafter.cfg.aux_layer_ids == shallow and torch.equal(drafter.d2t, d2t)
-    assert drafter.cfg.norm_before_residual is False and target.last_state == "pre_norm"
-    drafter.cfg.aux_layer_ids = trained_ids
-    assert diagnose_drafter(target, drafter, None, [], measure=measure)["mismatch"] is None
-
-
 def test_doctor_runs_on_a_real_engine(tiny, capture_dir, tmp_path):
     from specdec.data.datasets import Conversation
     from specdec.doctor import diagnose_drafter
@@ -223,7 +187,7 @@ def test_doctor_runs_on_a_real_engine(tiny, capture_dir, tmp_path):
                       eval_every=10_000), progress=False)
     drafter = load_drafter(tmp_path / "run" / "drafter", target)
     prompts = [Conversation(id=r["id"], messages=r["messages"][:1]) for r in records(2)]
-    result = diagnose_drafter(target, drafter, target.tokenizer, prompts, k=3, max_new_tokens=8)
+    result = diagnose_drafter(target, drafter, prompts, k=3, max_new_tokens=8)
     names = [r["hypothesis"] for r in result["rows"]]
     assert names[0] == "as configured" and "aux ids -1" in names and "identity d2t" in names
     assert all(r["mean_acceptance_length"] >= 1.0 for r in result["rows"])

@@ -14,11 +14,15 @@ Find out why a drafter accepts what it accepts. In order:
   2. with --server URL (any OpenAI-compatible vLLM, SGLang or specdec server serving this target
      and drafter): the same prompts, greedy, through the server's API and through specdec's engine
      at the server's k; live acceptance (from /metrics counter deltas over exactly these requests)
-     against that reference, per position with 95% intervals. Far below it is an integration fault:
-     the sweep is rerun to find the switch that reproduces the live figure (aux ids shifted, an aux
-     state missing, the other residual convention, a lost d2t, ...).
-  3. without --server: the sweep itself, with specdec's engine: acceptance under each hypothesis,
-     each row saying whether the switch changes acceptance on this target at all.
+     against that reference, per position with 95% intervals and paired per prompt. Far below it
+     is an integration fault: the sweep then finds the switch that reproduces the live figure (aux
+     ids shifted, an aux state missing, the other residual convention, a lost d2t, ...).
+  3. without --server: the sweep itself: acceptance under each hypothesis, each row saying whether
+     the switch changes acceptance on this target at all.
+  The sweep generates nothing again: greedy decoding is lossless, so each hypothesis is measured
+  on the reference's own text, as the engine would count it, on the same positions (a paired
+  comparison). Prompts are taken one at a time until the answer is clear (at least 3, at most
+  --limit).
 
 verdicts: integration (the server feeds the drafter something else), drafter/data (server and
 reference agree, both low), overhead (acceptance as expected, speculation still predicted to
@@ -48,7 +52,8 @@ def register(subparsers) -> None:
                         "there): recompute a few samples' aux states with the target now and compare")
     p.add_argument("--checks-only", action="store_true", help="static checks only (no model runs)")
     p.add_argument("--prompts", default="mt-bench", help="prompt source (default: mt-bench)")
-    p.add_argument("--limit", type=int, help="prompts per measurement (default: 3, with --server 8)")
+    p.add_argument("--limit", type=int, default=12,
+                   help="at most this many prompts; doctor stops sooner once the answer is clear (default: 12)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per prompt (default: 48)")
     p.add_argument("--k", type=int, default=5, help="draft tokens per step without --server (default: 5)")
     p.add_argument("--device")
@@ -77,12 +82,17 @@ def _overhead(live: dict) -> dict | None:
             "recommended_k": best.k if best else None, "recommended_speedup": best.speedup if best else None}
 
 
+def _measured(used: int, offered: int, early: bool) -> str:
+    return (f"{used} of {offered} prompts: the answer was clear" if early
+            else f"{used} prompts")
+
+
 def diagnose_all(args) -> dict:
     from ..data.datasets import load_conversations
     from ..doctor import diagnose_drafter
     from ..doctor.checks import FAIL, static_checks
-    from ..doctor.live import DRAFTER, HEALTHY, INTEGRATION, OVERHEAD, compare, explain, measure_live
-    from ..doctor.live import measure_reference
+    from ..errors import SpecdecError
+    from ..doctor.live import DRAFTER, HEALTHY, INTEGRATION, OVERHEAD, compare, explain, measure
     from ..models.target import load_target
 
     target = load_target(args.target, device=args.device)
@@ -99,8 +109,6 @@ def diagnose_all(args) -> dict:
             check, states = capture_check(target, drafter.to(device=target.device, dtype=target.dtype), capture)
             checks.append(check)
         elif args.capture:
-            from ..errors import SpecdecError
-
             raise SpecdecError(f"--capture {capture}: no manifest.json there; expected a `specdec capture` folder")
     out = {"checks": [c.as_dict() for c in checks], "live": None, "reference": None, "sweep": None,
            "recommendation": None, "states": states}
@@ -113,25 +121,21 @@ def diagnose_all(args) -> dict:
             out.update(verdict="static checks pass (nothing was run: --checks-only)", exit_code=0)
         return out
     drafter = drafter.to(device=target.device, dtype=target.dtype)
-    limit = args.limit if args.limit is not None else (8 if args.server else 3)
-    convs = load_conversations(args.prompts, limit=limit, seed=0)
+    if args.limit < 1:
+        raise SpecdecError(f"--limit {args.limit}: expected at least 1 prompt")
+    convs = load_conversations(args.prompts, limit=args.limit, seed=0)
     progress = not args.json
     if args.server:
-        live = measure_live(args.server, convs, max_tokens=args.max_new_tokens, model=args.model,
-                            api_key=args.api_key)
-        if not live["num_drafts"] or not live["k"]:
-            from ..errors import SpecdecError
-
-            raise SpecdecError(f"{args.server} counted no speculative steps for {len(convs)} requests: is it "
-                               f"serving with a drafter? (vllm:spec_decode_num_drafts did not move)")
-        reference = measure_reference(target, drafter, convs, k=int(live["k"]), max_tokens=args.max_new_tokens,
-                                      progress=progress)
+        live, ref, early = measure(args.server, target, drafter, convs, max_tokens=args.max_new_tokens,
+                                   model=args.model, api_key=args.api_key, progress=progress)
+        reference = ref.summary()
         heldout = ((drafter.cfg.provenance or {}).get("heldout") or {}).get("walked_acceptance_length_k5")
         result = compare(live, reference, heldout_al=heldout)
+        result["measured"] = _measured(len(ref.texts), len(convs), early)
         out.update(live=live, reference=reference, comparison=result)
-        verdict, why = result["verdict"], result["why"]
+        verdict, why = result["verdict"], result["why"] + f" ({result['measured']})"
         if verdict == INTEGRATION:
-            found = explain(live, target, drafter, convs, k=int(live["k"]), max_tokens=args.max_new_tokens)
+            found = explain(live, target, drafter, ref)
             out["sweep"] = found
             if found["match"]:
                 m = found["match"]
@@ -157,8 +161,7 @@ def diagnose_all(args) -> dict:
             out["recommendation"] = failed[0].fix
         out.update(verdict=f"{verdict}: {why}", exit_code=0 if verdict == HEALTHY else 1)
         return out
-    sweep = diagnose_drafter(target, drafter, target.tokenizer, convs, k=args.k, max_new_tokens=args.max_new_tokens,
-                             progress=progress)
+    sweep = diagnose_drafter(target, drafter, convs, k=args.k, max_new_tokens=args.max_new_tokens, progress=progress)
     out.update(sweep=sweep, reference=sweep["baseline"])
     if failed:
         c = failed[0]
@@ -196,15 +199,30 @@ def _print(args, out: dict) -> None:
                       "[red]below[/]" if r["live_below_reference"] else "")
         con.print(t)
     sweep = out.get("sweep")
-    if sweep and sweep.get("rows"):
-        t = Table(title="acceptance under each hypothesis (specdec's engine, same prompts)")
+    if sweep and sweep.get("rows") and out.get("comparison"):
+        t = Table(title=f"which switch reproduces the live {out['live']['mean_acceptance_length']:.2f} "
+                        f"(each walked on the reference's text)")
+        for col in ("hypothesis", "acceptance length", "+/- (3 se)", "live - switch, per prompt", "reproduces live"):
+            t.add_column(col, justify="left" if col == "hypothesis" else "right")
+        for r in sweep["rows"]:
+            t.add_row(r["hypothesis"], f"{r['mean_acceptance_length']:.2f}", f"{3 * r['se']:.2f}",
+                      f"{r['live_minus_hypothesis']:+.2f} +/- {3 * r['paired_se']:.2f}",
+                      "yes" if r["reproduces_live"] else "")
+        con.print(t)
+    elif sweep and sweep.get("rows"):
+        base = sweep["baseline"]
+        t = Table(title=f"acceptance under each hypothesis, walked on the text of specdec's engine (as configured "
+                        f"there: {base['mean_acceptance_length']:.2f} over {base['num_drafts']} steps)")
         t.add_column("hypothesis")
         t.add_column("acceptance length", justify="right")
         t.add_column("+/- (3 se)", justify="right")
+        t.add_column("paired per position: depth, first draft +/-", justify="right")
         t.add_column("moves acceptance here")
         for r in sweep["rows"]:
             moves = r.get("changes_acceptance")
-            t.add_row(r["hypothesis"], f"{r['mean_acceptance_length']:.2f}", f"{3 * r.get('se', 0):.2f}",
+            paired = (f"{r['paired_difference']:+.2f} +/- {3 * r['paired_se']:.2f}, +{r['first_draft_better']}/"
+                      f"-{r['first_draft_worse']}" if "paired_difference" in r else "")
+            t.add_row(r["hypothesis"], f"{r['mean_acceptance_length']:.2f}", f"{3 * r.get('se', 0):.2f}", paired,
                       "" if moves is None else ("yes" if moves else "no: such a fault would not show"))
         con.print(t)
     colour = "green" if out["exit_code"] == 0 else "red"

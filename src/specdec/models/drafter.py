@@ -261,10 +261,11 @@ class Eagle3Drafter(nn.Module):
             aux = torch.cat([n(c) for n, c in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
         return self.fc(aux)
 
-    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer output -> (recycled hidden for the next step, draft-vocab logits)."""
+    def head(self, h: torch.Tensor, logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer output [B, T, H] -> (recycled hidden for the next step, draft-vocab logits of
+        positions logits_from.. only: the lm_head is most of the cost where few rows are read)."""
         normed = self.norm(h)
-        return (normed if self.cfg.norm_output else h), self.lm_head(normed)
+        return (normed if self.cfg.norm_output else h), self.lm_head(normed[:, logits_from:])
 
     def forward(
         self,

@@ -151,6 +151,13 @@ class Target:
 
         self.layers[-1].register_forward_hook(last_hook)
 
+    def aux_state(self, i: int, captured: torch.Tensor) -> torch.Tensor:
+        """What the drafter reads for id `i` from the state the hooks captured there: the last
+        layer's output goes through the final norm first when `last_state` is post_norm."""
+        if i == self.num_layers and self.last_state == "post_norm" and self.final_norm() is not None:
+            return self.final_norm()(captured)
+        return captured
+
     # -- forward ---------------------------------------------------------------------------
     @torch.no_grad()
     def forward(
@@ -181,13 +188,7 @@ class Target:
         aux = last = None
         if capture:
             last = self._captured.get(self.num_layers)
-            states = []
-            for i in self.aux_layer_ids:
-                s = self._captured[i]
-                if i == self.num_layers and self.last_state == "post_norm" and self.final_norm() is not None:
-                    s = self.final_norm()(s)
-                states.append(s)
-            aux = torch.cat(states, dim=-1)
+            aux = torch.cat([self.aux_state(i, self._captured[i]) for i in self.aux_layer_ids], dim=-1)
         self._captured = {}
         return TargetOutput(logits=out.logits, aux_hidden=aux, last_hidden=last)
 

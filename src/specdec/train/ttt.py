@@ -235,18 +235,30 @@ def walk_acceptance(depth: torch.Tensor, starts: torch.Tensor, k: int) -> tuple[
     tokens / steps here is what it measures on this text."""
     tokens = steps = 0
     for d, can in zip(depth.tolist(), starts.tolist()):
-        t, L = 0, len(can)
-        while t < L:
-            if not can[t]:
-                t += 1
-                continue
-            t += 1  # the run's first token: the target's, from the prompt
-            while t < L and can[t]:
-                a = min(d[t], k)
-                steps += 1
-                tokens += a + 1
-                t += a + 1
+        accepted = walk_steps(d, can, k)
+        steps += len(accepted)
+        tokens += sum(accepted) + len(accepted)
     return tokens, steps
+
+
+def walk_steps(depth: list[int], starts: list[bool], k: int) -> list[int]:
+    """The drafts each step of `walk_acceptance`'s walk accepts, over one row."""
+    accepted: list[int] = []
+    t, L = 0, len(starts)
+    while t < L:
+        if not starts[t]:
+            t += 1
+            continue
+        last = t  # the run's last start: the engine's step there commits the run's last token
+        while last + 1 < L and starts[last + 1]:
+            last += 1
+        t += 1  # the run's first token: the target's, from the prompt
+        while t <= last:
+            # A step commits its accepted drafts and the target's token, and never past the run.
+            a = min(depth[t], k, last - t)
+            accepted.append(a)
+            t += a + 1
+    return accepted
 
 
 def ttt_unroll(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int):
@@ -256,8 +268,10 @@ def ttt_unroll(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Te
         yield logits
 
 
-def ttt_unroll_states(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int):
-    """`ttt_unroll`, yielding (logits, the layer's output before the final norm [B, L, H])."""
+def ttt_unroll_states(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int,
+                      logits_from: int = 0):
+    """`ttt_unroll`, yielding (logits, the layer's output before the final norm [B, L, H]); the
+    logits of indices logits_from.. only ([B, L - logits_from, Vd])."""
     B, L = input_ids.shape
     layer = raw.midlayer
     attn = layer.self_attn
@@ -280,5 +294,5 @@ def ttt_unroll_states(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: t
         o = ttt_attention(q, k0, v0, extra_k, extra_v)  # shape: [B, nh, L, hd]
         o = attn.o_proj(o.transpose(1, 2).reshape(B, L, -1))
         out = layer.finish(o, residual)
-        hidden, logits = raw.head(out)  # shapes: [B, L, H], [B, L, Vd]
+        hidden, logits = raw.head(out, logits_from)  # shapes: [B, L, H], [B, L - logits_from, Vd]
         yield logits, out

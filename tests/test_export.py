@@ -383,6 +383,18 @@ def test_convert_refuses_pickles_without_opening_them(tmp_path, capsys):
     assert_refused(rc, err, "pickle", "safetensors")
 
 
+def test_a_target_whose_weights_are_pickles_is_refused_without_opening_them(tiny_dirs, tmp_path, capsys):
+    import shutil
+
+    src = tmp_path / "target"
+    shutil.copytree(tiny_dirs["llama"], src)
+    for f in src.glob("*.safetensors"):
+        f.unlink()
+    (src / "pytorch_model.bin").write_bytes(b"not a pickle at all")  # unpickling would raise differently
+    rc, _, err = cli(["generate", "--target", src, "--prompt", "hi", "--max-new-tokens", "2"], capsys)
+    assert_refused(rc, err, "pytorch_model.bin", "pickle", "safetensors")
+
+
 def test_convert_refuses_reduced_vocab_without_mapping(drafter_dir, tmp_path, capsys):
     src = _foreign(drafter_dir, tmp_path / "nomap", drop=("d2t", "t2d"))
     rc, _, err = cli(["convert", src, tmp_path / "o", "--aux-layer-ids", "2,3,4"], capsys)

@@ -314,8 +314,14 @@ def test_request_cancelled_while_waiting_never_runs(server, http):
             assert next(lines).startswith("data: ")  # A is running
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(server.url + "/v1/completions", json=b, headers=auth, timeout=httpx.Timeout(60, read=0.2))
-            assert sample(scrape(http), "vllm:num_requests_waiting") == 1  # B still queued: A holds the worker
-            time.sleep(0.3)  # B's handler polls its client every 0.1 s and marks B cancelled
+            # B's handler polls its client every 0.1 s: B leaves the queue (and the waiting gauge) while A
+            # still holds the worker, not when the worker would have reached it.
+            def b_gone():
+                m = scrape(http)
+                return m if sample(m, "vllm:num_requests_waiting") == 0 else None
+
+            now = wait_for(b_gone, what="B to leave the queue")
+            assert sample(now, "vllm:num_requests_running") == 1
 
     def both_aborted():
         now = scrape(http)

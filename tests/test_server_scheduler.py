@@ -126,7 +126,7 @@ def test_fifo_and_a_request_cancelled_while_waiting_never_runs(tok):
 def test_engine_failure_fails_one_request_and_the_worker_goes_on(tok):
     engine = ScriptedEngine(tok, fail_on="boom")
     engine.gate.set()
-    sched, _ = make(tok, engine)
+    sched, metrics = make(tok, engine)
 
     async def main():
         bad = sched.submit(tok("boom")["input_ids"], SamplingParams(max_new_tokens=3), [])
@@ -137,8 +137,12 @@ def test_engine_failure_fails_one_request_and_the_worker_goes_on(tok):
         bad, good = run_async(main())
     finally:
         sched.stop()
-    assert bad[-1].error and "scripted failure" in bad[-1].error
+    assert bad[-1].error and "scripted failure" in bad[-1].error and bad[-1].status == 500
     assert good[-1].finish_reason == "length" and good[-1].error is None
+    # Counted apart from client aborts, as vLLM v1 does (FinishReason.ERROR, vllm/v1/engine/__init__.py:77-78
+    # of vllm 0.34.0: "retryable request-level internal error ... always converted to 500").
+    assert value(metrics, "vllm:request_success_total", finished_reason="error") == 1
+    assert value(metrics, "vllm:request_success_total", finished_reason="abort") == 0
 
 
 def test_stop_string_ends_generation_after_the_step_that_produced_it(tok):

@@ -84,16 +84,13 @@ def read_source(src: Path) -> tuple[Path, dict, dict]:
     from safetensors.torch import load_file
 
     from ..errors import SpecdecError
-    from ..models.formats import PICKLE_SUFFIXES, _read_tensors
+    from ..models.formats import PICKLE_SUFFIXES, _read_tensors, pickle_refusal
 
     if not src.exists():
         raise SpecdecError(f"no such drafter: {src}; expected a folder with config.json and *.safetensors")
     if src.is_file():
         if src.suffix in PICKLE_SUFFIXES:
-            raise SpecdecError(
-                f"{src} is a pickle file that specdec never loads (unpickling runs code); convert it to "
-                f"safetensors with a tool you trust, then retry"
-            )
+            raise pickle_refusal(src)
         if src.suffix != ".safetensors":
             raise SpecdecError(f"{src} is not a .safetensors file: expected a drafter folder or its .safetensors file")
         folder = src.parent

@@ -24,12 +24,20 @@ says which, --reference asks for the reference engine.
 
 Scheduling: FIFO, one sequence at a time. Requests queue in arrival order and a single engine
 worker generates them one after another (the engine is batch-1), so under concurrent load a
-request waits for every request ahead of it (see vllm:num_requests_waiting). A client that
-disconnects cancels its request; the worker notices between engine steps, so cancellation takes
-effect within one step (one target forward pass). Stop strings end a request the same way.
+request waits for every request ahead of it (see vllm:num_requests_waiting). The queue is bounded
+(--max-waiting: one more gets 429 with Retry-After) and so is the wait (--queue-timeout: 503); a
+request whose client leaves while waiting never runs. A client that disconnects cancels its
+running request within one engine step (one target forward pass); stop strings end it the same
+way. SIGTERM drains: nothing new is accepted, waiting requests get 503, the running one may finish
+within --drain-timeout.
+
+Limits: request body --max-body-mb (413); prompt + max_tokens within --max-model-len (400
+context_length_exceeded; text over 64 characters per context token is refused before tokenizing);
+at most 4 stop strings of up to 1,000 characters; seed within 64 bits; n = 1.
 
 Binds 127.0.0.1 unless --host says otherwise; use --api-key (or SPECDEC_API_KEY) before
-exposing it: /v1/* then require `Authorization: Bearer KEY` (/health and /metrics stay open).
+exposing it: /v1/* then require `Authorization: Bearer KEY` (/health and /metrics stay open, as in
+vLLM; --protect-metrics guards /metrics and /openapi.json with the key too).
 
 examples:
   specdec serve --target tiny-llama --ngram 3 --port 8000            # CPU, seconds
@@ -57,12 +65,25 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any free port)")
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"), metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $SPECDEC_API_KEY, else open)")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="with --api-key, also require the key on /metrics and /openapi.json (for a server bound "
+                        "beyond localhost; give Prometheus the key as a bearer token); /health stays open")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="model name clients send and /metrics labels carry (default: the target's name)")
     p.add_argument("--max-model-len", type=int, metavar="TOKENS",
                    help="context limit for prompt + completion (default: the target's max_position_embeddings; "
                         "on the fast path 2048, its static KV cache being allocated up front)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                   help="requests that may wait behind the running one; one more gets 429 with Retry-After "
+                        "(default: 64)")
+    p.add_argument("--queue-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="a request not started after this long gets 503 and never runs (default: 600)")
+    p.add_argument("--max-body-mb", type=float, default=32.0, metavar="MB",
+                   help="largest request body; a larger one gets 413, read no further (default: 32)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM: how long the running request may finish before it is ended cleanly; "
+                        "waiting ones get 503 at once (default: 30)")
     p.add_argument("--fault", action="append", default=[], metavar="KIND=VALUE",
                    help="break the served drafter on purpose, to reproduce an integration fault for `doctor "
                         "--server` and demos: aux-ids=2,16,28 feeds the drafter those hidden states instead of "
@@ -171,6 +192,14 @@ def run(args) -> int:
         raise SpecdecError(f"--max-model-len must be at least 1, got {args.max_model_len}")
     if not 0 <= args.port <= 65535:
         raise SpecdecError(f"--port must be 0..65535, got {args.port}")
+    if args.protect_metrics and not args.api_key:
+        raise SpecdecError("--protect-metrics guards /metrics with the API key: give --api-key (or SPECDEC_API_KEY)")
+    for flag, value, zero_ok in (("--max-waiting", args.max_waiting, True),
+                                 ("--queue-timeout", args.queue_timeout, False),
+                                 ("--max-body-mb", args.max_body_mb, False),
+                                 ("--drain-timeout", args.drain_timeout, True)):
+        if not (value >= 0 if zero_ok else value > 0):  # NaN fails both
+            raise SpecdecError(f"{flag} must be {'at least 0' if zero_ok else 'above 0'}, got {value}")
     _check_port_free(args.host, args.port)  # fail before a model load that may take minutes
 
     import uvicorn
@@ -202,7 +231,9 @@ def run(args) -> int:
     engine.generate(list(first), SamplingParams(max_new_tokens=2, temperature=0.0))
 
     name = args.served_model_name or target.name
-    settings = ServeSettings(served_model_name=name, max_model_len=max_len, api_key=args.api_key or None)
+    settings = ServeSettings(served_model_name=name, max_model_len=max_len, api_key=args.api_key or None,
+                             max_body_bytes=int(args.max_body_mb * (1 << 20)), max_waiting=args.max_waiting,
+                             queue_timeout=args.queue_timeout, protect_metrics=args.protect_metrics)
     app = create_app(engine, target.tokenizer, settings)
     shown_k = tree.depth if tree is not None else args.k
 
@@ -220,7 +251,17 @@ def run(args) -> int:
                          max_model_len=max_len, api_key=bool(settings.api_key),
                          engine=engine_kind(engine)), flush=True)
 
+        def handle_exit(self, sig, frame):
+            # SIGTERM/SIGINT: the scheduler refuses new work and ends what waits at once; uvicorn
+            # stops accepting connections and waits for the running request (cut at the drain timeout).
+            if not self.should_exit:
+                print(f"specdec serve: draining (up to {args.drain_timeout:g} s for the running request)",
+                      file=sys.stderr, flush=True)
+                app.state.scheduler.drain(args.drain_timeout)
+            super().handle_exit(sig, frame)
+
+    # uvicorn cancels what still runs after its own timeout: give the drain its time and a margin.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            access_log=args.access_log, timeout_graceful_shutdown=5)
+                            access_log=args.access_log, timeout_graceful_shutdown=args.drain_timeout + 5)
     _Server(config).run()
     return 0

@@ -19,7 +19,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(logits.float() / max(params.temperature, 1e-5), dim=-1)
     if params.top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # always keeps the first
+        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p
+        keep[..., 0] = True  # the most likely token always stays, also where top_p rounds to 0
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -233,15 +233,25 @@ def parse_config(cfg: dict, num_target_layers: int | None = None,
     )
 
 
+def pickle_refusal(path: Path) -> SpecdecError:
+    """The one answer to a pickle offered as weights: it is never opened (unpickling runs code)."""
+    return SpecdecError(f"{path} is a pickle file that specdec never loads (unpickling runs code); convert it to "
+                        f"safetensors with a tool you trust, then retry")
+
+
+def refuse_pickle_only(folder: Path) -> None:
+    """A folder whose weights are only pickles is refused before anything reads it."""
+    if any(folder.glob("*.safetensors")) or any(folder.glob("*.gguf")):
+        return
+    pickles = sorted(f for f in folder.iterdir() if f.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise pickle_refusal(pickles[0])
+
+
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        pickles = sorted(f.name for f in folder.iterdir() if f.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise SpecdecError(
-                f"{folder} holds {pickles[0]}, a pickle file that specdec never loads (unpickling runs "
-                f"code); convert it to safetensors with a tool you trust, then retry"
-            )
+        refuse_pickle_only(folder)
         raise SpecdecError(f"no .safetensors file in {folder}: expected {WEIGHTS} next to config.json")
     tensors = {}
     for f in files:

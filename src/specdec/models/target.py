@@ -229,6 +229,11 @@ def load_target(
     kwargs = {"dtype": dtype}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
+    elif Path(str(folder)).is_dir():
+        from .formats import refuse_pickle_only
+
+        refuse_pickle_only(Path(str(folder)))
+        kwargs["use_safetensors"] = True  # never a pickle, whatever else the folder holds
     if device_map:
         kwargs["device_map"] = device_map
     try:

@@ -10,7 +10,8 @@ carry, which `diagnose` uses to notice a restart), labels `model_name` and `engi
     vllm:spec_decode_num_accepted_tokens_per_pos (+ label position 0..k-1) steps whose draft
                                                  position i was accepted
     vllm:prompt_tokens, vllm:generation_tokens   tokens prefilled / generated
-    vllm:request_success                         (+ label finished_reason: stop, length, abort)
+    vllm:request_success                         (+ label finished_reason: stop, length, abort,
+                                                 error: an engine failure, as vLLM v1 counts it)
 
 Histograms: vllm:time_to_first_token_seconds (arrival -> first token, queueing included),
 vllm:inter_token_latency_seconds (one observation per engine step, as vLLM v1 does with
@@ -33,7 +34,7 @@ SPEC_DRAFTS = "vllm:spec_decode_num_drafts"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # vLLM v1's buckets, so dashboards' quantiles line up.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

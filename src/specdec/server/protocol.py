@@ -12,7 +12,10 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+INT64 = (-(2**63), 2**63 - 1)  # vLLM's bounds for seed (torch.Generator.manual_seed takes 64 bits)
+MAX_STOP_CHARS = 1000
 
 
 class _Request(BaseModel):
@@ -29,8 +32,15 @@ class ContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+
+    @model_validator(mode="after")
+    def _content(self):
+        # Only an assistant turn may come without content (one that called tools, in OpenAI's API).
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -45,12 +55,28 @@ class _SamplingFields(_Request):
     max_tokens: int | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
     n: int = 1
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model(cls, v):
+        # Leaving the field out means the served model (as vLLM); an explicit null is a mistake.
+        if v is None:
+            raise ValueError("model is null: name the served model (GET /v1/models) or leave the field out")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        for s in [v] if isinstance(v, str) else v or []:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string of {len(s)} characters; at most {MAX_STOP_CHARS}")
+        return v
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

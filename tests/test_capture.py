@@ -231,7 +231,12 @@ def test_prepare_truncates_and_skips_samples_without_loss(target):
     assert [it.id for it in p.items] == ["s0", "s1", "s2"] and p.skipped_no_loss == 1
 
 
-def test_kill9_after_first_shard_then_resume(tiny_dirs, tmp_path):
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kill9_after_some_shards_then_resume(tiny_dirs, tmp_path, seed):
+    """Killed after a random number of shards (one seed each), the rerun completes the same capture."""
+    import random
+
+    want = random.Random(seed).randint(1, 30)
     data = tmp_path / "regen.jsonl"
     n = 80
     data.write_text("".join(json.dumps(r) + "\n" for r in records(n)))
@@ -243,7 +248,7 @@ def test_kill9_after_first_shard_then_resume(tiny_dirs, tmp_path):
                             stderr=subprocess.PIPE, env=env)
     manifest = out / "manifest.json"
     deadline = time.monotonic() + 90
-    while not (manifest.exists() and json.loads(manifest.read_text())["shards"]):
+    while not (manifest.exists() and len(json.loads(manifest.read_text())["shards"]) >= want):
         assert proc.poll() is None, proc.stderr.read().decode()
         assert time.monotonic() < deadline
         time.sleep(0.002)
@@ -322,3 +327,17 @@ def test_target_fingerprint_ignores_where_the_folder_lies(tiny_dirs, tmp_path):
     with torch.no_grad():
         next(b.model.parameters()).add_(1.0)
     assert a.fingerprint() != b.fingerprint()
+
+
+def test_a_broken_data_line_stops_capture_with_its_line_number(tiny_dirs, tmp_path, capsys):
+    from specdec.cli import main
+
+    data = tmp_path / "regen.jsonl"
+    lines = [json.dumps(r) for r in records(4)]
+    lines[2] = lines[2][:-5]
+    data.write_text("\n".join(lines) + "\n")
+    assert main(["capture", "--target", str(tiny_dirs["llama"]), "--data", str(data), "-o", str(tmp_path / "cap"),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "regen.jsonl, line 3: not valid JSON" in err[0]
+    assert not (tmp_path / "cap" / "manifest.json").exists()

@@ -151,6 +151,11 @@ def test_drafter_for_another_target_is_named(run, tiny_dirs, capsys):
                          "--json"], capsys)
     assert rc == 1
     assert "qwen2" in json.loads(out)["verdict"] or "another target" in json.loads(out)["verdict"]
+    # Loading it to generate says so too, before it runs.
+    rc = main(["generate", "--target", str(tiny_dirs["qwen2"]), "--drafter", str(run / "train" / "drafter"),
+               "--prompt", "hi", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "trained for a llama target" in err and "is a qwen2" in err
 
 
 @pytest.mark.parametrize("fault,named", [("aux-ids=0,1,2", "integration"), ("zero-aux=2", "integration"),

@@ -99,7 +99,12 @@ def test_resume_repairs_torn_line_without_duplicates(target, tmp_path):
     assert out.read_text().endswith("\n") and len(out.read_text().splitlines()) == 4
 
 
-def test_kill9_subprocess_then_resume(tiny_dirs, tmp_path):
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kill9_subprocess_then_resume(tiny_dirs, tmp_path, seed):
+    """Killed after a random number of records (one seed each), the rerun finishes the rest."""
+    import random
+
+    want = random.Random(seed).randint(1, 6)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i} " * 3}) + "\n" for i in range(8)))
     out = tmp_path / "regen.jsonl"
@@ -108,7 +113,7 @@ def test_kill9_subprocess_then_resume(tiny_dirs, tmp_path):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     deadline = time.monotonic() + 90
-    while not read_jsonl(out):
+    while len(read_jsonl(out)) < want:
         assert proc.poll() is None, proc.stderr.read().decode()
         assert time.monotonic() < deadline
         time.sleep(0.01)

@@ -84,7 +84,8 @@ def _weights(path):
     return load_file(str(Path(path) / "drafter" / "model.safetensors"))
 
 
-def test_kill_9_then_resume_is_exact(tiny, capture_dir, tmp_path):
+@pytest.mark.parametrize("kill_after", [4, 12])
+def test_kill_9_then_resume_is_exact(tiny, capture_dir, tmp_path, kill_after):
     args = ("--max-steps", "24", "--save-every", "4")
     straight = tmp_path / "straight"
     subprocess.run(train_cmd(tiny, capture_dir, straight, *args), check=True, env=ENV, capture_output=True)
@@ -92,12 +93,17 @@ def test_kill_9_then_resume_is_exact(tiny, capture_dir, tmp_path):
     proc = subprocess.Popen(train_cmd(tiny, capture_dir, killed, *args), env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while not (killed / "checkpoints" / "step-4" / "state.json").exists():
+    while not (killed / "checkpoints" / f"step-{kill_after}" / "state.json").exists():
         assert proc.poll() is None and time.time() < deadline, "training ended before its first checkpoint"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "train_summary.json").exists()  # really interrupted
+    # The same command without --resume neither starts over nor deletes the checkpoints: it says what to do.
+    kept = sorted(p.name for p in (killed / "checkpoints").iterdir())
+    r = subprocess.run(train_cmd(tiny, capture_dir, killed, *args), env=ENV, capture_output=True, text=True)
+    assert r.returncode == 2 and "--resume" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == kept
     r = subprocess.run(train_cmd(tiny, capture_dir, killed, *args, "--resume"), env=ENV, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "resuming from" in r.stderr

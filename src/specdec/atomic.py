@@ -23,6 +23,14 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def plain_mode() -> int:
+    """The mode open() gives a new file: 0o666 less the umask. A 0600 file (tempfile's, or the one
+    safetensors writes) would leave an exported drafter unreadable by a server running as another user."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success fsync it and rename it over `path`."""
@@ -31,18 +39,17 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     while True:
         tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
         try:
-            # Mode 0o666 less the umask, as open() gives: tempfile.mkstemp's 0o600 would leave an
-            # exported drafter unreadable by a server running as another user.
-            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
             break
         except FileExistsError:
             continue
-    if path.exists():  # a rewrite keeps the file's mode
-        os.chmod(tmp, path.stat().st_mode & 0o7777)
+    mode = path.stat().st_mode & 0o7777 if path.exists() else None  # a rewrite keeps the file's mode
     try:
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        # Set after the write: writers such as safetensors replace the file with a 0600 one of their own.
+        os.chmod(tmp, plain_mode() if mode is None else mode)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     finally:
@@ -69,22 +76,46 @@ def append_jsonl(f: IO[str], record: dict) -> None:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Read complete records; a torn last line (killed mid-write) is dropped."""
+    """Every record of a JSONL file. The one line a kill can tear, the last one when it has no
+    newline, is dropped; any other line that is not a JSON object in UTF-8 is an error naming the
+    file and line, never a silent end of the data."""
+    from .errors import SpecdecError
+
     path = Path(path)
     if not path.exists():
         return []
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    # After the last newline: b"" for a complete file, else a last line without its newline.
+    for n, raw in enumerate(lines, 1):
+        torn = n == len(lines)
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            if torn:
+                _torn(path, n)
                 break
-            line = line.strip()
-            if line:
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
+            raise SpecdecError(f"{path}, line {n}: not valid UTF-8 (byte {e.start + 1}); fix or delete that line, "
+                               f"then rerun") from None
+        except ValueError as e:  # JSONDecodeError, or an integer too long to convert
+            if torn:
+                _torn(path, n)
+                break
+            raise SpecdecError(f"{path}, line {n}: not valid JSON ({e}); expected one JSON object per line: fix "
+                               f"or delete that line, then rerun") from None
+        if not isinstance(record, dict):
+            raise SpecdecError(f"{path}, line {n}: a JSON {type(record).__name__}, expected an object")
+        records.append(record)
     return records
+
+
+def _torn(path: Path, n: int) -> None:
+    import sys
+
+    print(f"specdec: note: {path}, line {n}: incomplete last line (a write cut short), skipped", file=sys.stderr)
 
 
 def repair_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -93,7 +124,7 @@ def repair_jsonl(path: str | os.PathLike) -> list[dict]:
     path = Path(path)
     if path.exists():
         good = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        if path.read_text(encoding="utf-8") != good:
+        if path.read_bytes() != good.encode("utf-8"):  # bytes: a torn line may end inside a character
             with atomic_open(path) as f:
                 f.write(good)
     return records

@@ -74,6 +74,28 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"specdec {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        full = _disk_full(e)
+        if full is None:
+            raise
+        print(f"specdec {args.command}: error: {full}", file=sys.stderr)
+        return 2
+
+
+def _disk_full(e: BaseException) -> str | None:
+    """One line for a full disk or quota, found anywhere in the exception's chain, else None.
+    Every writer is crash-safe (`specdec.atomic`), so what was written stays readable and a rerun
+    of the same command resumes."""
+    import errno
+
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            where = f" writing {seen.filename}" if seen.filename else ""
+            return (f"no space left on the device{where} ({seen.strerror}); what was written before is intact: "
+                    f"free some space (or point --out elsewhere), then rerun the same command to resume")
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 if __name__ == "__main__":

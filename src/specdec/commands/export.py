@@ -203,17 +203,6 @@ def prepare_out(out: Path, sources: list[Path], force: bool) -> None:
         (out / name).unlink()
 
 
-def _share(out: Path) -> None:
-    """Atomic writes create files 0600; a server running as another user (a container) must read them."""
-    import os
-
-    mask = os.umask(0)
-    os.umask(mask)
-    for f in (out / "config.json", out / "model.safetensors"):
-        if f.is_file():
-            f.chmod(0o666 & ~mask)
-
-
 def write_and_validate(drafter, out: Path, fmt: str, *, target_like, target_name, verifier, k: int,
                        dtype_flag: str, include_embeddings: bool) -> dict:
     """Save `drafter` to `out` in `fmt`, load the folder back and require the same logits, then
@@ -229,7 +218,6 @@ def write_and_validate(drafter, out: Path, fmt: str, *, target_like, target_name
     dtype = getattr(torch, DTYPES[dtype_flag])
     drafter = drafter.to("cpu").float().eval()
     save_drafter(drafter, out, fmt, target_name=verifier, k=k, dtype=dtype, include_embeddings=include_embeddings)
-    _share(out)
     # The reference is the drafter rounded to the written dtype: the reload must match it exactly.
     trained = copy.deepcopy(drafter)
     with torch.no_grad():

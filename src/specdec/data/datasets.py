@@ -197,16 +197,20 @@ def _read_local(path: Path) -> list[Conversation]:
         raise SpecdecError(f"no such prompt file: {path}")
     convs = []
     if path.suffix.lower() == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise SpecdecError(f"{path}, line {n}: not valid UTF-8 (byte {e.start + 1}); fix or delete "
+                                       f"that line") from None
                 if not line.strip():
                     continue
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError as e:
+                except ValueError as e:  # JSONDecodeError, or an integer too long to convert
                     raise SpecdecError(
-                        f"{path}, line {n}: not valid JSON ({e.msg} at column {e.colno}); "
-                        f"expected one JSON object per line"
+                        f"{path}, line {n}: not valid JSON ({e}); expected one JSON object per line"
                     ) from None
                 c = _parse_record(rec, f"{path}, line {n}")
                 if c:
@@ -214,6 +218,8 @@ def _read_local(path: Path) -> list[Conversation]:
     elif path.suffix.lower() == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise SpecdecError(f"{path}: not valid UTF-8 (byte {e.start + 1} of the file)") from None
         except json.JSONDecodeError as e:
             raise SpecdecError(
                 f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "

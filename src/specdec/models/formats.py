@@ -329,6 +329,15 @@ def check_fits(cfg: DrafterConfig, tensors: dict, target, folder) -> None:
             f"drafter {folder} has vocab size {cfg.vocab_size}, but {target.name} has "
             f"{target.vocab_size}: it was trained for another target (or tokenizer)"
         )
+    kind = getattr(target.config, "model_type", None)
+    if (cfg.target_model_type and kind and cfg.target_model_type != kind) or (
+            cfg.target_num_layers and cfg.target_num_layers != target.num_layers):
+        # Same shapes, so it runs, but on another model's hidden states: say so, once, before it does.
+        import sys
+
+        print(f"specdec: warning: drafter {folder} was trained for a {cfg.target_model_type} target with "
+              f"{cfg.target_num_layers} layers; {target.name} is a {kind} with {target.num_layers}: expect low "
+              f"acceptance (`specdec doctor` checks this)", file=sys.stderr)
     bad = [i for i in cfg.aux_layer_ids if not 0 <= i <= target.num_layers]
     if bad:
         raise IncompatibleDrafter(

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..atomic import write_json
+from ..atomic import plain_mode, write_json
 from ..errors import SpecdecError
 from ..models.drafter import DrafterConfig, Eagle3Drafter
 from ..precision import compute_dtype, dtype_name
@@ -237,6 +237,7 @@ def save_checkpoint(out: Path, step: int, model: Eagle3Drafter, opt, sched, stat
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
+        f.chmod(plain_mode())  # safetensors writes 0600
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     old = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]
@@ -400,7 +401,10 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     if not train_idx:
         raise SpecdecError(f"no training samples: {len(source.ids)} samples, all held out; "
                            "add data or lower --eval-percent")
-    ckpt = _latest_checkpoint(out) if resume else None
+    ckpt = _latest_checkpoint(out)
+    if ckpt is not None and not resume:
+        raise SpecdecError(f"{out} holds an earlier run's checkpoints (latest {ckpt.name}); nothing was changed: pass "
+                           f"--resume to continue it, or another --out (or delete {out / 'checkpoints'}) to start over")
     drafter, info = make_drafter(target, source, cfg, None if ckpt else init)
     if ckpt:
         saved = DrafterConfig(**json.loads((ckpt / "drafter_config.json").read_text()))

@@ -269,6 +269,14 @@ def test_kill9_after_some_shards_then_resume(tiny_dirs, tmp_path, seed):
     assert {p.name for p in out.iterdir() if p.name.startswith(("shard-", ".shard-"))} == listed
     store = CaptureStore(out)
     assert len(store) == n and all(len(store.sample(i)["input_ids"]) > 0 for i in range(0, n, 9))
+    # What an uninterrupted capture holds, sample for sample.
+    straight = tmp_path / "straight"
+    assert main(args[:args.index("-o") + 1] + [str(straight)] + args[args.index("-o") + 2:]) == 0
+    ref = CaptureStore(straight)
+    by_id = {sid: i for i, sid in enumerate(ref.sample_ids)}
+    for i in range(0, n, 7):
+        got, want = store.sample(i), ref.sample(by_id[store.sample_ids[i]])
+        assert all(torch.equal(torch.as_tensor(got[k]), torch.as_tensor(want[k])) for k in want)
 
 
 def test_error_mid_capture_leaves_only_complete_shards(target, tmp_path, monkeypatch):

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from specdec.bench.roofline import device_info, random_model, smollm2_135m_config  # noqa: E402
 from specdec.engine.api import SamplingParams  # noqa: E402
 from specdec.engine.engine import SpeculativeEngine  # noqa: E402
-from specdec.engine.fast import FastEngine, _causal  # noqa: E402
+from specdec.engine.fast import FastEngine
+from specdec.engine.static_decoder import causal_mask  # noqa: E402
 from specdec.models.target import Target  # noqa: E402
 
 
@@ -42,9 +43,9 @@ def logits_check(target: Target, eng: FastEngine, n: int = 24) -> dict:
     C = eng.prefill_chunk
     for start in range(0, n, C):
         chunk = ids[start : min(n, start + C)]
-        b = dec.step(chunk, list(range(start, start + len(chunk))), start, _causal(C), C)
+        b = dec.step(chunk, list(range(start, start + len(chunk))), start, causal_mask(C), C)
         rows.append(b.logits[: len(chunk)].float().clone())
-    b = dec.step([ids[n]], [n], n, _causal(1), 1)  # one decode step through bucket 1
+    b = dec.step([ids[n]], [n], n, causal_mask(1), 1)  # one decode step through bucket 1
     rows.append(b.logits[:1].float().clone())
     got = torch.cat(rows)
     return {"tokens": n + 1, "rel_err": float((got - ref).norm() / ref.norm()),

@@ -31,7 +31,7 @@ from specdec.capture.run import load_records, run_capture
 from specdec.capture.store import CaptureStore
 from specdec.data.datasets import load_conversations, short_first_turns
 from specdec.data.regenerate import RegenConfig, regenerate_local
-from specdec.engine.fast import make_engine
+from specdec.engine.choice import make_engine
 from specdec.evaluate import evaluate
 from specdec.models.formats import load_drafter
 from specdec.models.target import load_target

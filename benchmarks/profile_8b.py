@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from specdec.bench.roofline import (  # noqa: E402
     copy_bandwidth, decoder_step_ms, device_info, llama31_8b_config, random_model, randomize_cache, time_cuda,
 )
-from specdec.engine.fast import FastDecoder, _causal  # noqa: E402
+from specdec.engine.static_decoder import FastDecoder, causal_mask  # noqa: E402
 
 
 def family(name: str) -> str:
@@ -47,7 +47,7 @@ def family(name: str) -> str:
 
 def profile_step(dec: FastDecoder, ctx: int, steps: int = 20, T: int = 1) -> dict:
     b = dec._buffers(T, False)
-    dec._fill(b, [5] * T, list(range(ctx, ctx + T)), ctx, _causal(T))
+    dec._fill(b, [5] * T, list(range(ctx, ctx + T)), ctx, causal_mask(T))
     b.staging.copy_(b.host)
     with torch.no_grad():
         for _ in range(3):

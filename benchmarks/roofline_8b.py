@@ -40,7 +40,7 @@ from specdec.bench.roofline import (  # noqa: E402
     apply_knob, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kv_bytes_per_token,
     llama31_8b_config, random_model, randomize_cache, weight_bytes,
 )
-from specdec.engine.fast import FastDecoder, _causal  # noqa: E402
+from specdec.engine.static_decoder import FastDecoder, causal_mask  # noqa: E402
 
 VARIANTS = {
     "eager": dict(compile=False, cuda_graphs=False),  # CPU smoke runs (--tiny)
@@ -176,7 +176,7 @@ def check_against_hf(model, dec: FastDecoder, T: int = 16) -> dict:
     against HF's forward over the same tokens."""
     ids = torch.randint(0, dec.shapes.vocab, (T,), generator=torch.Generator().manual_seed(7)).tolist()
     ref = model(input_ids=torch.tensor([ids], device=dec.device)).logits[0].float()
-    b = dec.step(ids, list(range(T)), 0, _causal(T), T)
+    b = dec.step(ids, list(range(T)), 0, causal_mask(T), T)
     got = b.logits[:T].float()
     rel = float((got - ref).norm() / ref.norm())
     agree = int((got.argmax(-1) == ref.argmax(-1)).sum())
@@ -189,7 +189,7 @@ def check_decode(model, dec: FastDecoder, prefill: int = 16, steps: int = 4) -> 
     HF's forward over the whole sequence: a key or value cached in the wrong place shows in the
     steps after it."""
     ids = torch.randint(0, dec.shapes.vocab, (prefill,), generator=torch.Generator().manual_seed(8)).tolist()
-    dec.step(ids, list(range(prefill)), 0, _causal(prefill), prefill)
+    dec.step(ids, list(range(prefill)), 0, causal_mask(prefill), prefill)
     rel, agree = [], 0
 
     def hf_last():
@@ -198,7 +198,7 @@ def check_decode(model, dec: FastDecoder, prefill: int = 16, steps: int = 4) -> 
     ref = hf_last()
     for t in range(prefill, prefill + steps):
         ids.append(int(ref.argmax()))
-        got = dec.step([ids[-1]], [t], t, _causal(1), 1).logits[0].float()
+        got = dec.step([ids[-1]], [t], t, causal_mask(1), 1).logits[0].float()
         ref = hf_last()  # also the next step's token
         rel.append(float((got - ref).norm() / ref.norm()))
         agree += int(got.argmax() == ref.argmax())

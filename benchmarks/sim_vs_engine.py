@@ -27,7 +27,7 @@ from specdec.capture.run import load_records, run_capture  # noqa: E402
 from specdec.capture.store import CaptureStore  # noqa: E402
 from specdec.data.datasets import load_conversations  # noqa: E402
 from specdec.data.regenerate import RegenConfig, regenerate_local  # noqa: E402
-from specdec.engine.fast import make_engine  # noqa: E402
+from specdec.engine.choice import make_engine  # noqa: E402
 from specdec.evaluate import evaluate  # noqa: E402
 from specdec.models.formats import load_drafter  # noqa: E402
 from specdec.models.target import load_target  # noqa: E402

@@ -149,11 +149,13 @@ def test_eval_table_and_refusals(prompts_file, tiny_dirs, capsys):
 def test_eval_and_serve_build_the_fast_path_where_it_applies(tiny_dirs, monkeypatch):
     """eval and serve build their engine with make_engine (the fast path where it applies, sized by
     serve's --max-model-len), --reference opts out, and generate stays on the reference engine."""
+    import specdec.engine.choice as choice
     import specdec.engine.fast as fast_mod
+    import specdec.engine.static_decoder as decoder_mod
     from specdec.cli import build_parser
     from specdec.commands._engine_args import build_engine
 
-    monkeypatch.setattr(fast_mod, "CPU_FAST_MIN_PARAMS", 0)  # the tiny target counts as large
+    monkeypatch.setattr(choice, "CPU_FAST_MIN_PARAMS", 0)  # the tiny target counts as large
     monkeypatch.setattr(fast_mod.FastEngine, "warmup", lambda self: 0.0)  # no compile in this test
     parser = build_parser()
     common = ["--target", str(tiny_dirs["llama"]), "--device", "cpu", "--dtype", "bf16", "--ngram", "2"]
@@ -173,8 +175,8 @@ def test_eval_and_serve_build_the_fast_path_where_it_applies(tiny_dirs, monkeypa
     # --pack-weights reaches the decoder's optimize (which packs where the CUDA kernels run); off
     # unless given.
     packs = []
-    optimize = fast_mod.FastDecoder.optimize
-    monkeypatch.setattr(fast_mod.FastDecoder, "optimize",
+    optimize = decoder_mod.FastDecoder.optimize
+    monkeypatch.setattr(decoder_mod.FastDecoder, "optimize",
                         lambda self, **kw: packs.append(kw["pack"]) or optimize(self, **kw))
     engine("eval", "--pack-weights")
     engine("serve", "--max-model-len", "96")

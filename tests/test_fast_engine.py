@@ -8,8 +8,11 @@ import torch
 
 from specdec.engine.api import SamplingParams
 from specdec.engine.engine import SpeculativeEngine
-from specdec.engine.fast import (FastDecoder, FastEngine, _causal, _tree_mask, check_supported, cpu_compiler,
-                                 make_engine)
+from specdec.engine.choice import cpu_compiler, make_engine
+from specdec.engine.fast import FastEngine, _tree_mask
+from specdec.engine.static_decoder import FastDecoder, causal_mask
+
+from specdec.engine.static_layers import check_supported
 from specdec.engine.tree import Draft, TreeConfig
 from specdec.errors import SpecdecError
 from tests.test_engine_lossless import OracleProposer, random_drafter
@@ -38,12 +41,12 @@ def test_logits_match_hf(tiny_targets, arch):
     rows = []
     for start in range(0, len(prompt), 8):
         ids = prompt[start : start + 8]
-        b = dec.step(ids, list(range(start, start + len(ids))), start, _causal(8), 8)
+        b = dec.step(ids, list(range(start, start + len(ids))), start, causal_mask(8), 8)
         rows.append(b.logits[: len(ids)].clone())
     got = torch.cat(rows)
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
     nxt = int(ref[-1].argmax())
-    b = dec.step([nxt], [len(prompt)], len(prompt), _causal(1), 1)
+    b = dec.step([nxt], [len(prompt)], len(prompt), causal_mask(1), 1)
     with torch.no_grad():
         ref2 = target.model(input_ids=torch.tensor([prompt + [nxt]])).logits[0, -1]
     assert torch.allclose(b.logits[0], ref2, atol=1e-4, rtol=1e-4)
@@ -55,7 +58,7 @@ def test_tree_step_matches_hf_per_branch(tiny_targets):
     prompt = _prompt(9)
     dec = FastDecoder(target.model, max_len=64, pad=32)
     dec.optimize(compile=False, cuda_graphs=False)
-    dec.step(prompt[:-1], list(range(len(prompt) - 1)), 0, _causal(8), 8)
+    dec.step(prompt[:-1], list(range(len(prompt) - 1)), 0, causal_mask(8), 8)
     P = len(prompt) - 1
     tokens, parents = [5, 6, 7, 8], [-1, -1, 0, 1]  # two branches: 5->7 and 6->8
     draft = Draft(tokens=tokens, parents=parents)
@@ -187,7 +190,7 @@ def test_make_engine_cpu_fast_path_choice(tiny_targets, monkeypatch):
     """On a CPU make_engine compiles the fast path for bf16 targets above a size threshold, keeps
     the reference engine for fp32, small targets or no C++ compiler, and falls back (with a
     warning) when compiling fails, unless fast=True asked for the fast path."""
-    import specdec.engine.fast as fast_mod
+    import specdec.engine.choice as fast_mod
 
     warmed = []
     monkeypatch.setattr(FastEngine, "warmup", lambda self: warmed.append(self) or 0.0)

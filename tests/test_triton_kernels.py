@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from specdec.engine import decode_attention, gemv
-from specdec.engine.fast import FastDecoder, _causal
+from specdec.engine.static_decoder import FastDecoder, causal_mask
+
 
 pytestmark = pytest.mark.skipif(gemv.triton is None or not (gemv.INTERPRETED or torch.cuda.is_available()),
                                 reason="needs Triton (the dev extra installs it), interpreted or on a GPU")
@@ -135,7 +136,7 @@ def test_kernel_knobs_key_the_compile_cache(monkeypatch):
 
 
 def test_split_argmax_matches_argmax():
-    from specdec.engine.fast import split_argmax
+    from specdec.engine.static_layers import split_argmax
 
     logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
     logits[1, 517] = logits[1, 901] = 10.0  # a tie: the first index wins, as with argmax
@@ -178,18 +179,18 @@ def test_steps_through_the_kernels_match_hf(tiny_targets, arch, monkeypatch):
         for g, w in zip(got.float().cpu(), want):
             assert (g - w).norm() <= 0.03 * w.norm()
 
-    check(fused.step(ids[:8], list(range(8)), 0, _causal(8), 8).logits, ref[:8])
+    check(fused.step(ids[:8], list(range(8)), 0, causal_mask(8), 8).logits, ref[:8])
     products = layers * 4 + 1  # q/k/v, o, gate/up and down in every layer, then the lm head
     assert calls == {"attention": layers, "glu": 0, "rows": products}  # 8 rows: attention kernels, rows kernel
     for t in range(8, 12):
-        check(fused.step([ids[t]], [t], t, _causal(1), 1).logits, ref[t : t + 1])
+        check(fused.step([ids[t]], [t], t, causal_mask(1), 1).logits, ref[t : t + 1])
         assert calls == {"attention": layers * (t - 6), "glu": layers * (t - 7), "rows": products}
-    check(fused.step(ids[12:15], [12, 13, 14], 12, _causal(3), 3).logits, ref[12:15])  # a verify step
+    check(fused.step(ids[12:15], [12, 13, 14], 12, causal_mask(3), 3).logits, ref[12:15])  # a verify step
     assert calls == {"attention": layers * 6, "glu": layers * 4, "rows": 2 * products}
     # A tree of 5 (TREE) after the 15 tokens: against the decoder without the kernels (the compiled
     # attention's additive mask), filled with the same 15 tokens.
     plain = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=False)
-    plain.step(ids[:15], list(range(15)), 0, _causal(15), 15)
+    plain.step(ids[:15], list(range(15)), 0, causal_mask(15), 15)
     tree, pos = [3, 17, 40, 99, 7], [15, 16, 16, 17, 17]
     want = plain.step(tree, pos, 15, TREE.numpy(), 5).logits.float().cpu()
     check(fused.step(tree, pos, 15, TREE.numpy(), 5).logits, want)
@@ -265,7 +266,7 @@ def test_steps_with_packed_weights_match_row_major(tiny_targets, monkeypatch):
     """FastDecoder.optimize packs the products' weights where pack_layout says so, into new tensors
     (the model's own stay row-major): steps of 1 and 3 tokens give the row-major decoder's logits,
     and a step of more tokens than the kernels take reads the row-major weights, unpacking none."""
-    from specdec.engine import fast
+    from specdec.engine import static_layers
 
     model = copy.deepcopy(tiny_targets["llama"].model).to(DEV, torch.bfloat16)
     wide = gemv.ROWS_MAX + 2
@@ -275,7 +276,8 @@ def test_steps_with_packed_weights_match_row_major(tiny_targets, monkeypatch):
     monkeypatch.setattr(gemv, "unpack", lambda w: unpacked.append(w.dim()) or unpack(w))
     row_major = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
     before = [p.clone() for p in model.parameters()]
-    monkeypatch.setattr(fast, "pack_layout", lambda n, k, nbytes: (16, 32) if n % 16 == 0 and k % 32 == 0 else None)
+    monkeypatch.setattr(static_layers, "pack_layout",
+                        lambda n, k, nbytes: (16, 32) if n % 16 == 0 and k % 32 == 0 else None)
     # Off unless asked (a second copy of the weights): by the switch, or by optimize's pack=True.
     assert not gemv.PACK_WEIGHTS
     off = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
@@ -288,11 +290,11 @@ def test_steps_with_packed_weights_match_row_major(tiny_targets, monkeypatch):
     assert sum(a.dim() == 4 for args in packed._layer_args for a in args if a is not None) == 4 * len(packed.layers)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     for dec in (row_major, packed):
-        dec.step(ids[:8], list(range(8)), 0, _causal(8), 8)
+        dec.step(ids[:8], list(range(8)), 0, causal_mask(8), 8)
     for ts in ([8], [9, 10, 11], list(range(12, 12 + wide))):
         T = len(ts)
-        want = row_major.step([ids[t] for t in ts], ts, ts[0], _causal(T), T).logits.float().cpu()
-        got = packed.step([ids[t] for t in ts], ts, ts[0], _causal(T), T).logits.float().cpu()
+        want = row_major.step([ids[t] for t in ts], ts, ts[0], causal_mask(T), T).logits.float().cpu()
+        got = packed.step([ids[t] for t in ts], ts, ts[0], causal_mask(T), T).logits.float().cpu()
         assert (got - want).norm() <= 0.01 * want.norm()
     assert 4 not in unpacked
 

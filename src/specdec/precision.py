@@ -39,11 +39,11 @@ def compute_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32
 
 
-def parse_dtype(name: str | torch.dtype | None, device: torch.device | str) -> torch.dtype:
-    """--dtype values (bf16, fp16, fp32, auto/None) to a torch dtype for `device`."""
+def parse_dtype(name: str | torch.dtype | None, device: torch.device | str | None = None) -> torch.dtype:
+    """--dtype values (bf16, fp16, fp32, and auto/None when `device` is given) to a torch dtype."""
     if isinstance(name, torch.dtype):
         return name
-    if name is None or name == "auto":
+    if (name is None or name == "auto") and device is not None:
         return compute_dtype(device)
     if str(name).lower() not in DTYPES:
         from .errors import SpecdecError

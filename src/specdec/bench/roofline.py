@@ -195,12 +195,12 @@ def hf_decode_ms(model, *, prompt_len: int = 128, steps: int = 16, seed: int = 0
 
 def decoder_step_ms(dec, T: int, *, slot0: int, iters: int = 50, seed: int = 0) -> dict:
     """Replay time of a FastDecoder's captured step of T tokens (a chain) at cache slot `slot0`."""
-    from ..engine.fast import _causal
+    from ..engine.static_decoder import causal_mask
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, dec.shapes.vocab, (T,), generator=g).tolist()
     b = dec._buffers(T, False)
-    dec._fill(b, ids, list(range(slot0, slot0 + T)), slot0, _causal(T))
+    dec._fill(b, ids, list(range(slot0, slot0 + T)), slot0, causal_mask(T))
     b.staging.copy_(b.host)
     if b.graph is not None:
         return time_cuda(b.graph.replay, iters=iters)
@@ -246,6 +246,6 @@ def apply_knob(step: str, tags: dict) -> bool:
     tags[name] = "" if v == shipped else f"@{name}{value}"
     # Some knobs are read only inside a Triton op's body (a block size, the autotuner's configs), where
     # inductor's graph cache does not see them: without its key changing, a variant compiled after
-    # the knob was served the graph compiled before it (H200, BENCHMARKS.md).
+    # the knob was served the graph compiled before it.
     torch.compiler.config.cache_key_tag = "".join(tags.values())
     return True

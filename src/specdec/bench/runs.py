@@ -248,7 +248,9 @@ def run_bench(
 ) -> dict:
     """Time every method over `prompts`; returns {"rows": [...], "fast": bool, ...}. The fast
     engines share one decoder: `pack_weights` (FastEngine's) applies to every row."""
-    from ..engine.fast import FastDecoder, engine_kind, make_engine, round_up
+    from ..engine.choice import engine_kind, make_engine
+    from ..engine.static_decoder import FastDecoder
+    from ..engine.static_layers import round_up
 
     dev = target.device
     say = progress or (lambda s: None)

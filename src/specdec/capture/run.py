@@ -261,11 +261,6 @@ class CaptureSummary:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def dist_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun's environment; (0, 1, 0) otherwise."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
 def run_capture(
     target,
     records: Sequence[dict],

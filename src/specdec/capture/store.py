@@ -46,7 +46,7 @@ import torch
 
 from ..atomic import atomic_path, write_json
 from ..errors import SpecdecError
-from ..precision import DTYPES, dtype_name  # noqa: F401  (dtype_name: part of this module's API)
+from ..precision import dtype_name, parse_dtype  # noqa: F401  (part of this module's API)
 
 MANIFEST = "manifest.json"
 FORMAT = "specdec-capture"
@@ -64,15 +64,6 @@ _ST_DTYPE = {
     torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8",
 }  # fmt: skip
 _SHARD_RE = re.compile(r"^shard-(?:r(\d+)-)?(\d+)\.safetensors$")
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[str(name).lower()]
-    except KeyError:
-        raise SpecdecError(f"unknown dtype {name!r}; expected one of bf16, fp16, fp32") from None
 
 
 def bytes_per_token(hidden_size: int, dtype: torch.dtype | str, num_aux: int = 3) -> int:

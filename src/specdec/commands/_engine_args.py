@@ -23,7 +23,7 @@ def add_engine_args(p, *, target_required: bool = True, fast_path: bool = False)
     p.add_argument("--device", help="cuda, cuda:1 or cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp16", "fp32"],
                    help="default: bf16 on GPU, fp32 on CPU; auto: bf16 also on CPUs with native bf16 "
-                        "(AVX512-BF16/AMX, ~1.5x faster decoding there)")
+                        "(AVX512-BF16/AMX, faster decoding there)")
     if fast_path:
         p.add_argument("--reference", action="store_true",
                        help="use the reference engine even where the fast path applies (a CUDA GPU; bf16 "
@@ -34,8 +34,8 @@ def add_engine_args(p, *, target_required: bool = True, fast_path: bool = False)
 def add_pack_weights_arg(p) -> None:
     p.add_argument("--pack-weights", action="store_true",
                    help="CUDA fast path: give the Triton kernels a second copy of each weight of 32 MB and "
-                        "more, laid out in contiguous blocks; costs that memory again, buys ~1%% at one token "
-                        "and ~4%% when verifying 8 (Llama-3.1-8B shapes on an H200)")
+                        "more, laid out in contiguous blocks; costs that memory again for a small gain, "
+                        "larger when verifying several tokens than at one")
 
 
 def tree_config(args):
@@ -73,7 +73,7 @@ def build_engine(args, target=None, *, max_len: int | None = None, fault=None):
         fault(drafter)
     if not hasattr(args, "reference"):
         return target, SpeculativeEngine(target, drafter=drafter, ngram=args.ngram, k=args.k, tree=tree)
-    from ..engine.fast import make_engine
+    from ..engine.choice import make_engine
 
     engine = make_engine(target, fast=False if args.reference else None, drafter=drafter, ngram=args.ngram,
                          k=args.k, tree=tree, max_len=max_len, pack_weights=args.pack_weights)

@@ -61,7 +61,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from specdec.capture.run import dist_env, load_records, run_capture
+    from specdec.capture.run import load_records, run_capture
+    from specdec.dist import dist_env
     from specdec.capture.store import human_bytes
     from specdec.errors import SpecdecError
     from specdec.models.target import load_target

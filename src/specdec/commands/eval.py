@@ -102,7 +102,7 @@ def print_table(result: dict, title: str, file=None) -> None:
 def run(args) -> int:
     from ..data.datasets import load_conversations
     from ..engine.api import SamplingParams
-    from ..engine.fast import engine_kind
+    from ..engine.choice import engine_kind
     from ..errors import SpecdecError
     from ..evaluate import evaluate
 

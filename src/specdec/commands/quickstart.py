@@ -15,9 +15,9 @@ same drafter drafting an EAGLE-2 dynamic tree; on a CPU these last runs on the f
 questions) ending with one JSON line. Every stage resumes: run the same
 command again after a crash.
 
-Defaults finish in 8 to 17 minutes on a 2-core CPU with native bf16 (AVX512-BF16 or AMX; about 16
-in fp32 elsewhere, with 224 prompts, 5 epochs and 6 evaluation questions); with CUDA they use more
-data.
+Defaults are sized to finish in under 20 minutes on a 2-core CPU, with native bf16 (AVX512-BF16 or
+AMX) or in fp32 elsewhere (with 224 prompts, 5 epochs and 6 evaluation questions); with CUDA they
+use more data.
 
 examples:
   specdec quickstart
@@ -25,24 +25,19 @@ examples:
   specdec quickstart --target tiny-llama --prompts 8 --eval-prompts 2 --max-new-tokens 16   # smoke test
 """
 
-# CPU: 2 cores, measured: 8-17 minutes where the CPU has native bf16 (shared machines at the top of
-# that range; 16.8 with the best k measured on all questions, now on half of them), 16-19 in fp32
-# with CPU_FP32 below (a shared host's hours vary ~30%); the bar is 20.
-# Small batches at a higher learning rate: on the same 33K-token capture, 4 epochs at 256
-# tokens/batch and lr 3e-3 gave a held-out simulated acceptance length of 1.41 against 1.31 at
-# 1024 tokens and lr 1e-3 (benchmarks/drafter_recipes.py). Twice the prompts changed nothing
-# measurable (BENCHMARKS.md), so the time bf16 saves goes to 10 evaluation prompts instead of 5.
+# CPU: sized so the whole run stays under 20 minutes on 2 cores, with or without native bf16
+# (CPU_FP32 below).
+# Small batches at a higher learning rate: on the same capture they gave a higher held-out
+# simulated acceptance length than larger batches at a lower one (benchmarks/drafter_recipes.py).
+# More prompts changed nothing measurable, so the time bf16 saves goes to more evaluation prompts.
 CPU = dict(prompts=320, max_new_tokens=128, epochs=6.0, draft_vocab_size=2048, ttt_steps=4, lr=3e-3,
            eval_prompts=10, eval_max_new_tokens=96, max_length=384, batch_tokens=256, batch_size=64,
            eval_every=200)
-# On the GPU, every ShareGPT first turn of <= 600 characters (~14,000; the batch decoder regenerates
-# them in 78 s on an H200) for 6 epochs at 4,096 tokens per batch: 2.36 on 10 MT-Bench questions at
-# k = 5, against 2.00 for 2,500 prompts and 20 epochs (6,564 optimizer steps against 3,840), in ~15
-# minutes with --eval-prompts 10 --tree-depth 0 (BENCHMARKS.md).
-# A CPU without native bf16 (fp32 throughout) runs every stage ~1.7x slower: measured 21.3 minutes
-# with the CPU defaults on a 2-core AMD EPYC (regenerate 305 s, capture 93, train 522, evaluate
-# 331), and 20.0 with 256 prompts and 6 questions at a slower hour of the same shared host
-# (regenerate 314, capture 99, train 515, evaluate 239). So fewer prompts, epochs and questions.
+# On the GPU, every ShareGPT first turn of <= 600 characters (the batch decoder regenerates them
+# quickly) for 6 epochs at 4,096 tokens per batch: many prompts for few epochs gave a longer mean
+# acceptance length on MT-Bench than fewer prompts for more epochs.
+# A CPU without native bf16 (fp32 throughout) runs every stage slower, and the CPU defaults would
+# overrun the 20 minutes: so fewer prompts, epochs and questions.
 CPU_FP32 = dict(prompts=224, epochs=5.0, eval_prompts=6)
 GPU = dict(prompts=14000, max_new_tokens=256, epochs=6.0, draft_vocab_size=16384, ttt_steps=7, lr=1e-3,
            eval_prompts=20, eval_max_new_tokens=256, max_length=2048, batch_tokens=4096, batch_size=256,
@@ -84,7 +79,7 @@ def register(subparsers) -> None:
                    help="skip ShareGPT prompts longer than this: short prompts keep CPU runs short (default: 600)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="target precision; auto: bf16 on a GPU and on CPUs with native bf16 "
-                        "(AVX512-BF16/AMX, ~3x faster there), else fp32 (default: auto)")
+                        "(AVX512-BF16/AMX, much faster there), else fp32 (default: auto)")
     p.add_argument("--reference", action="store_true",
                    help="evaluate with the reference engine even where the fast path applies")
     p.add_argument("--json", action="store_true", help="print only the final JSON line on stdout")
@@ -105,7 +100,7 @@ def run(args) -> int:
     from ..capture.store import CaptureStore
     from ..data.datasets import load_conversations, short_first_turns
     from ..data.regenerate import RegenConfig, regenerate_local
-    from ..engine.fast import engine_kind, make_engine
+    from ..engine.choice import engine_kind, make_engine
     from ..engine.tree import TreeConfig
     from ..evaluate import evaluate
     from ..models.formats import load_drafter
@@ -258,9 +253,8 @@ def best_k_measured(result: dict, k: int, measure) -> dict | None:
     measured: with k's, it fits a step's cost as 1 + f + j c plain steps (f whatever j, c per
     drafted token; theory.step_costs), and the best j then comes from the k run's acceptance curve,
     truncated (a greedy chain's first j drafts are the same whatever k), at that cost, and is
-    measured too where it is neither. Charging c per draft alone from the
-    k run, as before, flattered small k on a GPU, where f is most of a step's extra cost: k = 2
-    was predicted at 1.33x and measured at 1.11x (BENCHMARKS.md)."""
+    measured too where it is neither. Charging c per draft alone from the k run would flatter
+    small k on a GPU, where f is most of a step's extra cost."""
     from ..diagnose.theory import best_k, cost_ratio_from_speedup, step_costs
 
     if not result.get("speedup"):

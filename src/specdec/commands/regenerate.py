@@ -11,8 +11,8 @@ the target's own answers learns what the target will say, not what ChatGPT once 
 
 In process: batched plain decoding of left-padded batches, longest prompts first. Greedy
 batches of a Llama-family target (Llama, Qwen2/3, Mistral, SmolLM2) run on a static cache with
-every decode step one CUDA graph (37.5K tok/s for SmolLM2-135M at batch 256 on an H200, 13x HF
-generate); sampling and other architectures run HF generate (--hf-generate forces it).
+every decode step one CUDA graph (many times HF generate's throughput); sampling and other
+architectures run HF generate (--hf-generate forces it).
 With --endpoint: any OpenAI-compatible server (vLLM, SGLang, specdec serve), --concurrency
 requests in flight, retries with exponential backoff on connection errors, 429 and 5xx.
 
@@ -24,7 +24,7 @@ dropped. Prompt sources: sharegpt, mt-bench, humaneval, or a local .json/.jsonl.
 examples:
   specdec regenerate --target tiny-llama --prompts mt-bench --limit 4 --max-new-tokens 16 -o /tmp/regen.jsonl
   specdec regenerate --target smollm2-135m-instruct --prompts sharegpt --limit 10000 \\
-      --batch-size 256 -o runs/smol/regen.jsonl         # H200: 14,000 short prompts took 78 s
+      --batch-size 256 -o runs/smol/regen.jsonl
   specdec regenerate --endpoint http://localhost:8000 --prompts sharegpt --limit 10000 \\
       --concurrency 64 -o runs/big/regen.jsonl          # vLLM / SGLang already serving the target
 """

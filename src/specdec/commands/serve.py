@@ -205,7 +205,7 @@ def run(args) -> int:
     import uvicorn
 
     from specdec.engine.api import SamplingParams
-    from specdec.engine.fast import engine_kind
+    from specdec.engine.choice import engine_kind
     from specdec.server.app import ServeSettings, create_app
 
     print(f"specdec serve: loading {args.target}" + (f" + drafter {args.drafter}" if args.drafter else ""),

@@ -290,7 +290,7 @@ def regenerate_local(
 
 def batch_decoder_blocker(target, cfg: RegenConfig) -> str | None:
     """Why BatchDecoder cannot answer for `target` under `cfg` (None: it can)."""
-    from ..engine.fast import check_supported
+    from ..engine.static_layers import check_supported
 
     if cfg.temperature > 0:
         return "sampling (--temperature > 0): the batch decoder is greedy"

@@ -1,12 +1,11 @@
 """Batched greedy decoding for regenerate: many prompts at once over a static KV cache, every
 decode step one CUDA graph on CUDA.
 
-HF `generate` spends a SmolLM2-sized step on Python and kernel launches whatever the batch (a
-batch-256 step ~68 ms on an H200, 3.7K tok/s), so regenerating thousands of answers took minutes
-where the GPU's work is milliseconds. Here a step is the same math on a left-padded batch, replayed
-from a CUDA graph that also advances the step's state on the device (next token, rope position,
-cache slot, finished rows), so the host only replays and, every `check_every` steps, asks
-whether every row has finished.
+HF `generate` spends a SmolLM2-sized step on Python and kernel launches whatever the batch, so
+regenerating thousands of answers takes minutes where the GPU's work is milliseconds. Here a step
+is the same math on a left-padded batch, replayed from a CUDA graph that also advances the step's
+state on the device (next token, rope position, cache slot, finished rows), so the host only
+replays and, every `check_every` steps, asks whether every row has finished.
 
 Layout: the prompts are left-padded to one length P, so every row writes cache slot P + i at step
 i; row b's tokens start at slot pad[b], its rope position is slot - pad[b], and its queries attend
@@ -32,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecdecError
-from .fast import Shapes, check_supported, layer_weights, rope_tables, round_up
+from .static_layers import Shapes, check_supported, layer_weights, rope_tables, round_up
 from .layer_math import rms_norm, rotate_half
 
 

@@ -18,12 +18,11 @@ kernel: the caches of a layer are one tensor [2, kv heads, slots, head size]):
     combine kernel  grid (tokens x query heads): rescales the partials of the blocks up to the
                     step's by their maxima and sums them (flash-decoding's split-K softmax).
 
-The cache write stays in the compiled step (an index_put inductor performs in place). A first
-version wrote the token's key and value itself, as a `triton_op` mutating the caches; torch.compile
-functionalizes such an op, and that version cost +0.28 ms per step on Llama-3.1-8B shapes (4.7 MB
-of cache per layer) where it saved time on SmolLM2's 0.4 MB, as copies of the caches would (H200,
-BENCHMARKS.md; the copies were inferred, not profiled). The step's first slot and its tree mask are
-read on the device (the step's staging buffer), so the step stays one CUDA graph. Registered with
+The cache write stays in the compiled step (an index_put inductor performs in place). Writing the
+token's key and value here instead, as a `triton_op` mutating the caches, would have torch.compile
+functionalize the op, at a cost that grows with the cache per layer as copies of the caches would:
+small models gain, 8B-sized caches lose. The step's first slot and its tree mask are read on the
+device (the step's staging buffer), so the step stays one CUDA graph. Registered with
 `torch.library.triton_op` like gemv.py's kernels; under Triton's interpreter they run on CPU
 tensors (tests/test_triton_kernels.py).
 """
@@ -37,15 +36,13 @@ from .gemv import runs_on, triton
 BLOCK_S = 32  # cache slots per split program: 1,152 slots x 8 kv heads = 288 programs on 8B shapes
 # Cache slots per split program for steps of more than one token. At 8 tokens on 8B shapes the
 # fp32 partials are as many bytes as the live cache, but fewer, larger blocks did not pay: the
-# 8-token step cost 4.999 ms at 32 slots, 5.060 at 64, 5.102 at 128 (one H200 call, BENCHMARKS.md;
-# the split kernel is bound by latency). benchmarks/roofline_8b.py's sbs=N steps set it.
+# split kernel is bound by latency, not bytes. benchmarks/roofline_8b.py's sbs=N steps set it.
 STEP_BLOCK_S = 32
 COMBINE_CHUNK = 32  # partials summed per pass of the combine kernel
 # Query rows per split program, tokens x query heads per kv head: a verify step of 8 tokens on
 # Llama-3 shapes (G = 4) has 32. Larger steps (16 tokens there, trees, prefill chunks) keep the
-# compiled attention, whose products suit many rows: on an H200, 8B shapes, 16 tokens cost 4.927
-# ms through these kernels (64 rows) against 4.838 through the compiled attention, where 8 tokens
-# cost 4.749 against 4.794 (one call each, BENCHMARKS.md).
+# compiled attention, whose products suit many rows: on 8B shapes these kernels beat it at 8 tokens
+# (32 rows) and lose to it at 16 (64 rows).
 MAX_ROWS = 32
 
 if triton is not None:

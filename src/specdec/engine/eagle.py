@@ -43,9 +43,6 @@ class Eagle3Proposer:
         hidden, logits = self.drafter(next_tokens[None], aux.to(dt), pos, self.cache)
         self.last_hidden, self.last_logits = hidden[0, -1], logits[0, -1]
 
-    def rollback(self, length: int) -> None:
-        self.cache.crop(length)
-
     def _full_q(self, probs_draft: torch.Tensor, vocab: int) -> torch.Tensor:
         q = torch.zeros(vocab, dtype=torch.float32, device=probs_draft.device)
         q[self.d2t_ids] = probs_draft.float()

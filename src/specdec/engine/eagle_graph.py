@@ -3,8 +3,8 @@ graphs can hold.
 
 The eager `Eagle3Proposer` reads the host after every drafted token and keeps its cache length in
 a Python int, so a round (commit the accepted tokens, draft k) is ~360 kernel launches plus k host
-round trips: 9 ms on an H200 for a SmolLM2-sized drafter, against ~1 ms for the target's verify
-step (benchmarks/drafter_step.py). Here the committed length lives on the device, every tensor
+round trips: for a SmolLM2-sized drafter, many times the cost of the target's verify step
+(benchmarks/drafter_step.py). Here the committed length lives on the device, every tensor
 has a fixed shape (a commit is padded to k + 1 rows, attention covers the whole preallocated cache
 under a length mask), and a round is two graph replays and one read of the k drafted ids.
 
@@ -69,8 +69,8 @@ class _StaticDrafter:
         self._steps = self._eager_steps
         if compile:
             # Without coordinate-descent tuning even where the target's FastDecoder turned it on
-            # for the process: tuning every kernel of a tree's six unrolled depths kept an H200
-            # compiling for minutes, and the chain's round measured 0.66 ms without it.
+            # for the process: tuning every kernel of a tree's six unrolled depths takes minutes of
+            # compiling, and the chain's round is fast enough without it.
             self._steps = {name: torch.compile(fn, dynamic=False, fullgraph=True,
                                                options={"coordinate_descent_tuning": False})
                            for name, fn in self._eager_steps.items()}

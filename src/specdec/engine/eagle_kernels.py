@@ -1,10 +1,9 @@
 """The EAGLE-3 drafter's layer on the fast path's Triton kernels, for greedy chains on a GPU.
 
 Compiled by inductor and captured in a CUDA graph, the drafter's layer still runs its products as
-cuBLAS GEMMs of one row and its attention over the whole preallocated cache under a mask: a round
-(commit 2, draft 5) of a SmolLM2-sized drafter cost 0.697 ms on an H200, 0.334 ms on these kernels
-(benchmarks/drafter_step.py, BENCHMARKS.md). Here the layer is the target's layer
-recipe (engine/fast.py) with the drafter's two inputs:
+cuBLAS GEMMs of one row and its attention over the whole preallocated cache under a mask; a round of
+a SmolLM2-sized drafter is much faster on these kernels (benchmarks/drafter_step.py).
+Here the layer is the target's layer recipe (engine/fast.py) with the drafter's two inputs:
 
     x = [input_layernorm(embed(token)) | hidden_norm(hidden)]        2H wide, the q/k/v product's input
     q/k/v in one product, keys roped into the cache, decode_attention over the live slots only

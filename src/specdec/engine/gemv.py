@@ -1,10 +1,9 @@
 """Few-token matrix products on CUDA as Triton kernels, for the fast path's decode and verify steps.
 
-At one token a decode step is a chain of `weight @ x` products, and its speed is how fast they
-stream their weights from HBM. On an H200 (torch 2.11, benchmarks/profile_8b.py) cuBLAS's GEMV
-reads Llama-3.1-8B's matrices at 2.7-4.2 TB/s, this kernel at 3.3-4.5 TB/s (the measured copy
-bandwidth is 4.3): the square 4096 x 4096 o_proj gains most (2.71 -> 3.28 TB/s), the wide ones
-3-5%. Each program streams BLOCK_N whole rows in BLOCK_K chunks, accumulates in fp32 and reduces
+At one token a decode step is a chain of `weight @ x` products, memory-bound, and its speed is how
+fast they stream their weights from HBM. `_gemv_kernel` streams them closer to the copy bandwidth
+than cuBLAS's GEMV (benchmarks/profile_8b.py compares them), most of all on the square o_proj.
+Each program streams BLOCK_N whole rows in BLOCK_K chunks, accumulates in fp32 and reduces
 once: no split-K, so no second kernel and no atomics. The block sizes are autotuned per shape on
 first use (which happens in the fast path's warm-up, before a CUDA graph captures the step).
 
@@ -17,14 +16,13 @@ launch and a gap in the graph for microseconds of work:
                              the MLP's gate/up product, each program streaming a gate row and
                              its up row, so SiLU * up happens once per output at the store
 All stay in fp32 up to the one rounding of the output, where HF rounds the normed x and the
-product to bf16 on the way: the logits differ by that rounding (relative error against HF's
-forward 0.037, cuBLAS's path 0.040, on Llama-3.1-8B shapes with random weights).
+product to bf16 on the way: the logits differ by that rounding, no more than cuBLAS's path
+differs from HF's forward.
 
 Over 2..ROWS_MAX rows (a verify step) `gemv`, `gemv_rms` and `gemv_add` run `_rows_kernel`: the
 weight as the tensor cores' wide operand and the tokens as the narrow one, padded to 16, its loads
-software-pipelined (num_stages) and its block sizes autotuned; 0.15-0.19 ms faster than cuBLAS for
-8 tokens on 8B shapes (BENCHMARKS.md). An earlier few-rows kernel with the tokens as the wide
-operand and no pipelining was slower than cuBLAS at every size (4.99 against 4.86 ms at 2 tokens).
+software-pipelined (num_stages) and its block sizes autotuned, so the weight streams once for all
+the step's tokens. Packed weights (`pack`) run `_rows_packed_kernel` instead.
 
 Registered with `torch.library.triton_op`, so torch.compile traces through them and the kernels
 land inside the compiled step and its CUDA graph. Without Triton or CUDA, `gemv_linear` is
@@ -54,10 +52,8 @@ _DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
 
 
 # SiLU * up goes into the gate/up product's store up to this size of gate/up weight, and into a
-# compiled kernel between the MLP's two products above it. Measured on an H200 (BENCHMARKS.md):
-# folded, SmolLM2's 3.5 MB product saves its kernel (0.79-0.81 ms per step, 0.85-0.89 unfolded in
-# earlier calls), while Llama-3.1-8B's 235 MB ones stream ~5% slower with two accumulators (4.58
-# against 4.49 ms in one call).
+# compiled kernel between the MLP's two products above it: folding saves a small product's extra
+# kernel, while a large product streams slower with two accumulators, losing more than that kernel costs.
 # benchmarks/roofline_8b.py's glu=0/1 steps set it to 0 / no limit.
 GLU_FOLD_MAX_BYTES = 32 << 20
 
@@ -66,8 +62,8 @@ GLU_FOLD_MAX_BYTES = 32 << 20
 ROWS_MAX = 16
 # Whether those steps also fold RMSNorm and the residual add into the rows kernel (`gemv_rms` /
 # `gemv_add` over T rows) rather than leaving them to one compiled kernel per norm. Folded, each program
-# renormalises its slice of x (the products slow by ~6% on 8B shapes) but ~3 kernels per layer go:
-# 8 tokens 4.916 against 5.018 ms in one H200 call (BENCHMARKS.md). rowsfold=0/1 steps set it.
+# renormalises its slice of x (the products slow a little) but ~3 kernels per layer go, which
+# gains more. rowsfold=0/1 steps set it.
 ROWS_FOLD = True
 # Whether the rows kernel's autotuner also tries deeper pipelines, wider K chunks and 8 warps
 # (`_ROWS_MORE`); benchmarks/roofline_8b.py's rowscfg=0/1 steps set it.
@@ -75,9 +71,8 @@ ROWS_MORE_CONFIGS = True
 # Whether FastDecoder.optimize packs (`pack`) the products' weights of at least PACK_MIN_BYTES into a
 # second copy for the kernels (the model's own weights stay as they are, for the steps of more
 # tokens than the kernels take and everything else that reads them). Off by default: that copy
-# costs those weights' memory again (14.5 GB on Llama-3.1-8B). On an H200 it took the 8-token step
-# from 1.11x to 1.07-1.09x the one-token step and the one-token step 0.05 ms lower (BENCHMARKS.md,
-# "Packed weights"). `--pack-weights` (eval, serve, bench), FastEngine(pack_weights=True) and
+# costs those weights' memory again for a small gain: contiguous blocks stream faster, most of all
+# in verify steps. `--pack-weights` (eval, serve, bench), FastEngine(pack_weights=True) and
 # benchmarks/roofline_8b.py's pack=1 steps turn it on.
 PACK_WEIGHTS = False
 # Smaller products stream no faster packed (benchmarks/rows_variants.py: o_proj, 34 MB, the least gain).
@@ -179,9 +174,8 @@ if triton is not None:
 
     _ROWS_CONFIGS = ([_rows_config(bn, bk, st) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4)]
                      + [_rows_config(16, 512, st) for st in (2, 3)])
-    # More bytes in flight per program (deeper pipelines, wider K chunks, 8 warps). On an H200 the
-    # autotuner takes these for Llama-3.1-8B's gate/up, o_proj and lm_head products, and the
-    # 8-token step fell by 0.08 ms (benchmarks/rows_configs.py, BENCHMARKS.md).
+    # More bytes in flight per program (deeper pipelines, wider K chunks, 8 warps): the large
+    # products (gate/up, o_proj, lm_head) stream faster with them (benchmarks/rows_configs.py).
     _ROWS_MORE = ([_rows_config(16, 128, 6), _rows_config(16, 256, 5), _rows_config(16, 512, 4),
                    _rows_config(16, 1024, 2), _rows_config(32, 512, 2), _rows_config(32, 512, 3)]
                   + [_rows_config(bn, bk, st, 8) for bn, bk, st in ((32, 256, 4), (64, 256, 3), (32, 512, 3),
@@ -221,8 +215,8 @@ if triton is not None:
             acc += tl.load(R + out, mask=inside, other=0.0).to(tl.float32)
         tl.store(Y + out, acc.to(Y.dtype.element_ty), mask=inside)
 
-    # The block sizes are the layout's; warps and pipeline depth are tuned (benchmarks/rows_variants.py
-    # measured 4 warps and 3-4 stages best on Llama-3.1-8B's shapes).
+    # The block sizes are the layout's; warps and pipeline depth are tuned around the best found on
+    # Llama-3.1-8B's shapes (benchmarks/rows_variants.py).
     _rows_packed_tuned = triton.autotune(
         configs=[triton.Config({}, num_warps=w, num_stages=st) for w in (4, 8) for st in (3, 4)],
         key=["N", "K", "NORM", "LBN", "LBK"])(_rows_packed_kernel)
@@ -301,7 +295,7 @@ def in_features(weight: torch.Tensor) -> int:
 def pack_layout(n: int, k: int, nbytes: int) -> tuple[int, int] | None:
     """The packed layout (LBN, LBK) for a weight [n, k] of `nbytes`, or None to keep it row-major:
     below PACK_MIN_BYTES, or where the blocks do not divide it. The blocks are the rows kernel's
-    fastest on Llama-3.1-8B's shapes for 8 tokens (benchmarks/rows_variants.py, BENCHMARKS.md):
+    fastest on Llama-3.1-8B's shapes for 8 tokens (benchmarks/rows_variants.py):
     128 x 256 for the wide gate/up, 32 x 512 for the long down rows, 64 x 256 for q/k/v and o."""
     if nbytes < PACK_MIN_BYTES:
         return None

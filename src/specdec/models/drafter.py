@@ -178,8 +178,8 @@ def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     mask bool [T, S], True = may attend.
 
     cuDNN attention is excluded: it builds an execution plan for every new key length, and while
-    drafting each call has a new one (H200: 140 ms per drafting round against 9 ms without it;
-    benchmarks/drafter_step.py)."""
+    drafting each call has a new one, which makes a drafting round many times slower
+    (benchmarks/drafter_step.py)."""
     with sdpa_kernel(_NO_CUDNN):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 

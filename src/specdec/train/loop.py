@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..atomic import plain_mode, write_json
+from ..dist import dist_env
 from ..errors import SpecdecError
 from ..models.drafter import DrafterConfig, Eagle3Drafter
 from ..precision import compute_dtype, dtype_name
@@ -82,10 +83,6 @@ class DrafterTTT(nn.Module):
         walks = [walk_acceptance(out.depth, out.starts, k) for k in (self.steps, 5)]
         return (out.loss, out.correct, out.step_correct, out.counted,
                 torch.tensor([w[0] for w in walks]), torch.tensor([w[1] for w in walks]))
-
-
-def dist_env() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 def log(msg: str) -> None:
@@ -148,9 +145,10 @@ def make_drafter(target, source, cfg: TrainConfig, init: str | None) -> tuple[Ea
 def start_layer(drafter: Eagle3Drafter, target, choice: str | int, embed_half: str = "zero") -> str:
     """Apply `TrainConfig.init_layer`; returns what the drafter's layer started from.
 
-    "auto" takes the target layer that reads the top aux state (measured at CPU size on the H200:
-    +0.08 held-out simulated and +0.03 to +0.05 measured acceptance length over a random layer,
-    BENCHMARKS.md), and a random layer where the target's layers have another shape (MLA, MoE).
+    "auto" takes the target layer that reads the top aux state (it starts closer to what the
+    drafter must compute than a random layer, and ends with higher acceptance;
+    benchmarks/drafter_recipes.py), and a random layer where the target's layers have another
+    shape (MLA, MoE).
     """
     if choice in (None, "none"):
         return "random"
@@ -385,7 +383,7 @@ def provenance(target, source, drafter, last_eval: dict) -> dict:
 
 def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: bool = False,
           target_name: str = "target", progress: bool = True) -> dict:
-    rank, world = dist_env()
+    rank, world, _ = dist_env()
     cuda = torch.cuda.is_available() and target.device.type == "cuda"
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")

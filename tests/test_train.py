@@ -217,7 +217,7 @@ def test_steps_walk_epochs_of_different_sizes():
     assert all(p < len(b) for _, p, b in walked)
     assert sorted(i for e, p, b in walked if e == 1 for i in b[p]) == idx  # an epoch sees every sample once
     # step_batches, what the loop walks, starts anywhere and agrees with locating each step alone.
-    from specdec.train.loop import step_batches
+    from specdec.train.data import step_batches
 
     every = list(step_batches(0, sum(sizes), idx, lengths, 256, seed=0))
     assert every == [b[p] for _, p, b in walked]
@@ -227,7 +227,7 @@ def test_steps_walk_epochs_of_different_sizes():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: batches load on a second stream there")
 def test_cuda_prefetch_yields_each_batch_in_order_after_its_copy():
-    from specdec.train.loop import Prefetch
+    from specdec.train.prefetch import Prefetch
 
     dev = torch.device("cuda")
     host = [torch.randn(64, 1024).pin_memory() for _ in range(12)]

@@ -159,7 +159,7 @@ def test_init_layer_starts_the_drafter_as_the_target_layer_after_the_top_aux_sta
     """`train --init-layer`: with the top aux state passed through fc and the token columns at zero,
     the drafter's layer is the target's layer c = aux_layer_ids[-1] applied to its own input, so
     its output at every index is the state the target hands to layer c + 1."""
-    from specdec.train.loop import init_layer_from_target
+    from specdec.train.drafter_init import init_layer_from_target
 
     target = tiny_targets["llama"]
     saved = target.aux_layer_ids
@@ -180,7 +180,7 @@ def test_init_layer_starts_the_drafter_as_the_target_layer_after_the_top_aux_sta
 
 
 def test_init_layer_auto_copies_what_fits_and_says_what_it_left_random(tiny_targets):
-    from specdec.train.loop import start_layer
+    from specdec.train.drafter_init import start_layer
 
     target = tiny_targets["llama"]
     cfg = DrafterConfig.for_target(target.config, draft_vocab_size=128, aux_layer_ids=target.aux_layer_ids,
@@ -200,7 +200,7 @@ def test_init_layer_auto_copies_what_fits_and_says_what_it_left_random(tiny_targ
 def test_init_layer_auto_leaves_an_mla_target_s_drafter_untouched(tiny_targets):
     """DeepSeek-V3's MLA attention has no q_proj of the drafter's shape: auto keeps the random
     layer, says why, and writes nothing (a half-copied layer would be worse than either)."""
-    from specdec.train.loop import start_layer
+    from specdec.train.drafter_init import start_layer
 
     target = tiny_targets["deepseek_v3"]
     cfg = DrafterConfig.for_target(target.config, draft_vocab_size=128, aux_layer_ids=target.aux_layer_ids)

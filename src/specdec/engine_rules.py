@@ -493,7 +493,7 @@ def check_folder(folder: str | Path, trained, target: TargetFacts, target_embedd
     """Each engine's reading of `folder`, and, where it loads, its logits fed the states it
     would capture against `trained` (an Eagle3Drafter, rounded to the written dtype) fed as in
     training. States are random, one per hidden_states index."""
-    from .models.formats import _read_tensors
+    from .models.formats import read_tensors
 
     folder = Path(folder)
     readings = read_folder(folder, target, (trained.cfg, trained.d2t.cpu()), engines)
@@ -501,7 +501,7 @@ def check_folder(folder: str | Path, trained, target: TargetFacts, target_embedd
     if not runnable:
         return readings
     raw = json.loads((folder / "config.json").read_text())
-    tensors = _read_tensors(folder)
+    tensors = read_tensors(folder)
     top = max([*trained.cfg.aux_layer_ids, *(i for r in runnable.values() for i in r.fed_ids)])
     states = random_states(top, trained.cfg.target_hidden_size)
     want = {"drafter": target_space_logits(trained, trained.d2t.cpu(), states, list(trained.cfg.aux_layer_ids),

@@ -1,8 +1,8 @@
 """`specdec export`: write a drafter in the format vLLM / SGLang / speculators load, prove the
 written folder reproduces the drafter, and print the exact serve commands.
 
-The helpers here (`TargetShape`, `write_and_validate`, `describe`, `print_summary`) are shared
-with `specdec convert`.
+The helpers here (`write_and_validate`, `describe`, `print_summary`) are shared with `specdec
+convert`; the stand-in targets the checks read are in `specdec.models.target_shape`.
 """
 
 from __future__ import annotations
@@ -84,100 +84,6 @@ def add_output_args(p) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The target, as far as the checks need it
-
-
-class TargetShape:
-    """What `load_drafter`'s checks read from a target, without loading its weights: the numbers in
-    its config and, on demand, its embedding matrix read from the safetensors files. A 1T-parameter
-    target is checked in a second."""
-
-    def __init__(self, name: str, folder: Path):
-        import torch
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(str(folder))
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        self.name = name
-        self.folder = folder
-        self.config = text
-        self.num_layers = text.num_hidden_layers
-        self.hidden_size = text.hidden_size
-        self.device = torch.device("cpu")
-        self.files = sorted(folder.glob("*.safetensors"))
-        if not self.files:
-            raise FileNotFoundError(folder)
-        rows = self._shape("lm_head.weight") or self._shape("embed_tokens.weight")
-        self.vocab_size = rows[0] if rows else text.vocab_size
-
-    def _find(self, suffix: str):
-        from safetensors import safe_open
-
-        for f in self.files:
-            with safe_open(str(f), "pt") as h:
-                keys = [k for k in h.keys() if k == suffix or k.endswith("." + suffix)]
-                if keys:
-                    return f, sorted(keys, key=len)[0]
-        return None
-
-    def _shape(self, suffix: str):
-        from safetensors import safe_open
-
-        hit = self._find(suffix)
-        if hit is None:
-            return None
-        with safe_open(str(hit[0]), "pt") as h:
-            return list(h.get_slice(hit[1]).get_shape())
-
-    def embed_tokens(self):
-        import torch
-        from safetensors import safe_open
-
-        hit = self._find("embed_tokens.weight")
-        if hit is None:
-            from ..errors import SpecdecError
-
-            raise SpecdecError(f"no embed_tokens.weight in {self.folder}: "
-                               "cannot give the drafter the target's embedding")
-        with safe_open(str(hit[0]), "pt") as h:
-            return torch.nn.Embedding.from_pretrained(h.get_tensor(hit[1]).float(), freeze=True)
-
-
-class _SelfShape:
-    """Stands in for the target when none is given: the drafter's own numbers and embedding."""
-
-    def __init__(self, drafter):
-        import torch
-
-        c = drafter.cfg
-        self.name = "the drafter's own config"
-        self.num_layers = max(c.aux_layer_ids)
-        self.hidden_size = c.target_hidden_size
-        self.vocab_size = c.vocab_size
-        self.device = torch.device("cpu")
-        self._embed = drafter.embed_tokens
-
-    def embed_tokens(self):
-        return self._embed
-
-
-def target_for_checks(source: str):
-    """(target-like object for load_drafter, the name serving engines should load)."""
-    from ..models.registry import resolve_model_path
-    from ..models.target import load_target
-
-    folder, gguf = resolve_model_path(source)
-    if not gguf and folder.is_dir():
-        try:
-            return TargetShape(source, folder), str(folder.resolve())
-        except (FileNotFoundError, OSError, ValueError, KeyError, AttributeError):
-            pass  # no safetensors or an unusual config: load the model itself
-    target = load_target(source, device="cpu", dtype="fp32")
-    serve = str(folder.resolve()) if folder.is_dir() else source
-    return target, serve
-
-
-# ---------------------------------------------------------------------------------------------
 # Write, reload, compare
 
 
@@ -214,6 +120,7 @@ def write_and_validate(drafter, out: Path, fmt: str, *, target_like, target_name
     from ..engine_rules import TargetFacts, check_folder, logit_gap, random_states, target_space_logits
     from ..errors import SpecdecError
     from ..models.formats import load_drafter, save_drafter
+    from ..models.target_shape import SelfShape
 
     dtype = getattr(torch, DTYPES[dtype_flag])
     drafter = drafter.to("cpu").float().eval()
@@ -224,7 +131,7 @@ def write_and_validate(drafter, out: Path, fmt: str, *, target_like, target_name
         for param in trained.parameters():  # parameters only: rotary buffers stay fp32 on load
             param.copy_(param.to(dtype).float())
     reference = copy.deepcopy(trained)
-    check_target = target_like if target_like is not None else _SelfShape(drafter)
+    check_target = target_like if target_like is not None else SelfShape(drafter)
     embed_note = None
     shared = check_target.embed_tokens().weight.detach().float().cpu()
     if not include_embeddings:
@@ -383,6 +290,7 @@ def finish(args, info: dict, validation: dict, verb: str, before=()) -> int:
 def run(args) -> int:
     from ..errors import SpecdecError
     from ..models.formats import load_drafter
+    from ..models.target_shape import target_for_checks
 
     if args.k < 1:
         raise SpecdecError(f"--k must be at least 1, got {args.k}")

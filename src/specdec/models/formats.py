@@ -248,7 +248,7 @@ def refuse_pickle_only(folder: Path) -> None:
         raise pickle_refusal(pickles[0])
 
 
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         refuse_pickle_only(folder)
@@ -281,7 +281,7 @@ def load_drafter(path: str | Path, target=None, *, device=None, dtype=torch.floa
         raise SpecdecError(f"{folder / 'config.json'} {what}: expected an EAGLE-3 drafter config (hidden_size, "
                            f"intermediate_size, num_attention_heads, vocab_size, ...); export the drafter "
                            f"again") from None
-    tensors = {k.replace("layers.0.", "midlayer."): v for k, v in _read_tensors(folder).items()}
+    tensors = {k.replace("layers.0.", "midlayer."): v for k, v in read_tensors(folder).items()}
     if "d2t" not in tensors and cfg.draft_vocab_size == cfg.vocab_size:
         # A full-vocab drafter needs no mapping; speculators then saves no d2t/t2d at all.
         tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
@@ -329,9 +329,9 @@ def check_fits(cfg: DrafterConfig, tensors: dict, target, folder) -> None:
             f"drafter {folder} has vocab size {cfg.vocab_size}, but {target.name} has "
             f"{target.vocab_size}: it was trained for another target (or tokenizer)"
         )
-    kind = getattr(target.config, "model_type", None)
-    if (cfg.target_model_type and kind and cfg.target_model_type != kind) or (
-            cfg.target_num_layers and cfg.target_num_layers != target.num_layers):
+    kind = getattr(getattr(target, "config", None), "model_type", None)  # None: a stand-in, not a target
+    if kind and ((cfg.target_model_type and cfg.target_model_type != kind) or (
+            cfg.target_num_layers and cfg.target_num_layers != target.num_layers)):
         # Same shapes, so it runs, but on another model's hidden states: say so, once, before it does.
         import sys
 

@@ -103,3 +103,14 @@ def batches_at(step: int, indices: list[int], lengths: list[int], batch_tokens: 
             return epoch, step - start, batches
         start += len(batches)
         epoch += 1
+
+
+def step_batches(step: int, total: int, indices: list[int], lengths: list[int], batch_tokens: int, *, seed: int):
+    """The global batch of every optimizer step from `step` to `total`, across epochs."""
+    epoch, pos, batches = batches_at(step, indices, lengths, batch_tokens, seed=seed)
+    for _ in range(step, total):
+        if pos >= len(batches):
+            epoch, pos = epoch + 1, 0
+            batches = global_batches(indices, lengths, batch_tokens, seed=seed, epoch=epoch)
+        yield batches[pos]
+        pos += 1

@@ -30,7 +30,7 @@ def commit_both(target, eager, static, n, g):
     """The same n random positions (aux states, next tokens) committed to both proposers."""
     width = len(target.aux_layer_ids) * target.hidden_size
     aux, ids = torch.randn(n, width, generator=g), torch.randint(0, target.vocab_size, (n,), generator=g)
-    eager.commit(aux[None], ids)
+    eager.commit(aux, ids)
     static.commit(aux, ids)
 
 
@@ -38,9 +38,8 @@ def begin_both(target, eager, static, m, g, max_len):
     """A new sequence of m random positions in both proposers."""
     width = len(target.aux_layer_ids) * target.hidden_size
     aux, ids = torch.randn(m, width, generator=g), torch.randint(0, target.vocab_size, (m,), generator=g)
-    eager.reset(max_len)
-    eager.commit(aux[None], ids)
-    static.begin(aux, ids)
+    eager.begin([], [0] + ids.tolist(), aux, max_len)
+    static.start(aux, ids)
 
 
 @pytest.mark.parametrize("arch,k,compile", [("llama", 1, False), ("llama", 4, False), ("qwen3", 1, False),
@@ -55,7 +54,7 @@ def test_static_drafts_equal_eager_drafts(tiny_targets, arch, k, compile):
     begin_both(target, eager, static, 9, g, 96)
     drafted = set()
     for round_ in range(12):
-        a = eager.propose(GREEDY, None, target.vocab_size)
+        a = eager.propose([], eager.k, GREEDY, None)
         b = static.propose()
         assert b.tokens == a.tokens and b.parents == a.parents, f"round {round_}"
         assert b.is_chain and len(b) == k
@@ -80,7 +79,7 @@ def test_static_trees_equal_eager_trees(tiny_targets, arch, tree, compile):
     begin_both(target, eager, static, 7, g, 96)
     shapes = set()
     for round_ in range(8):
-        a = eager.propose(GREEDY, None, target.vocab_size)
+        a = eager.propose([], eager.k, GREEDY, None)
         b = static.propose()
         assert (b.tokens, b.parents) == (a.tokens, a.parents), f"round {round_}"
         shapes.add(tuple(a.parents))
@@ -103,10 +102,10 @@ def test_a_step_that_cannot_be_captured_is_drafted_without_graphs(tiny_targets):
     begin_both(target, eager, static, 6, g, 64)
     with pytest.warns(UserWarning, match="drafting without CUDA graphs"):
         b = static.propose()
-    a = eager.propose(GREEDY, None, target.vocab_size)
+    a = eager.propose([], eager.k, GREEDY, None)
     assert (b.tokens, b.parents) == (a.tokens, a.parents) and not static.graphs
     commit_both(target, eager, static, 2, g)
-    a, b = eager.propose(GREEDY, None, target.vocab_size), static.propose()
+    a, b = eager.propose([], eager.k, GREEDY, None), static.propose()
     assert (b.tokens, b.parents) == (a.tokens, a.parents)
 
 
@@ -202,7 +201,7 @@ def test_captured_steps_never_read_the_host(tiny_targets, kind):
     else:
         static = StaticChainDrafter(random_drafter(target), k=int(kind[-1]), max_len=64, cuda_graphs=False)
     width = len(target.aux_layer_ids) * target.hidden_size
-    static.begin(torch.randn(5, width), torch.randint(0, target.vocab_size, (5,)))
+    static.start(torch.randn(5, width), torch.randint(0, target.vocab_size, (5,)))
     if kind != "tree":  # the commit of a verify step's outputs, as FastEngine attaches them
         static.attach(torch.randint(0, target.vocab_size, (static.k + 1,)), torch.randn(static.k + 1, width))
         static.draft()

@@ -35,10 +35,15 @@ class OracleProposer:
         self.rng = random.Random(seed)
         self.width, self.vocab = width, vocab
 
-    def reset(self, prompt_ids):
+    needs_aux = False
+
+    def begin(self, prompt_ids, context, aux, max_len):
         pass
 
-    def propose(self, context, k):
+    def commit(self, aux, new_tokens):
+        pass
+
+    def propose(self, context, k, params=None, gen=None):
         pos = len(context) - self.n0  # index in the reference of the next token to propose
         truth = self.ref[pos : pos + k]
         if not truth:

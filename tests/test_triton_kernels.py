@@ -339,8 +339,8 @@ def test_drafter_chain_through_the_kernels_matches_the_modules(tiny_targets, k, 
     # that the kernels commit
     m = 9 if k == 1 else 3
     aux, ids = inputs(m)
-    fused.begin(aux, ids)
-    plain.begin(aux, ids)
+    fused.start(aux, ids)
+    plain.start(aux, ids)
     assert calls["attention"] == (m <= k + 1)
     for round_ in range(2 * (k + 1)):
         a, b = plain.propose(), fused.propose()

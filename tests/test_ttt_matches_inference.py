@@ -35,9 +35,8 @@ def test_chain_draft_equals_ttt_unroll(tiny_targets, arch, norm_output, norm_bef
     bonus = int(out.logits[0, -1].argmax())
 
     proposer = Eagle3Proposer(drafter, k=k)
-    proposer.reset(64)
-    proposer.commit(out.aux_hidden, torch.cat([prompt[0, 1:], torch.tensor([bonus])]))
-    drafts = proposer.propose(SamplingParams(temperature=0.0), None, target.vocab_size).tokens
+    proposer.begin(prompt[0].tolist(), prompt[0].tolist() + [bonus], out.aux_hidden[0], 64)
+    drafts = proposer.propose([], k, SamplingParams(temperature=0.0), None).tokens
     assert len(drafts) == k
 
     # Teacher forcing on [prompt, bonus, d1..d(k-1)]: index P-1, step s reads token P+s, predicts d(s+1).

@@ -17,6 +17,10 @@ from .tree import Draft, TreeConfig
 
 
 class Eagle3Proposer:
+    """The eager EAGLE-3 proposer (`engine.Proposer`): any drafter, chains and trees, greedy or sampled."""
+
+    needs_aux = True
+
     def __init__(self, drafter: Eagle3Drafter, *, k: int = 5, tree: TreeConfig | None = None):
         self.drafter = drafter
         self.k = k
@@ -25,22 +29,25 @@ class Eagle3Proposer:
         self.last_hidden = None  # shape: [H], recycled hidden at the last committed position
         self.last_logits = None  # shape: [draft_vocab]
         self.d2t_ids = drafter.draft_to_target
+        self.vocab = drafter.cfg.vocab_size  # the target's: a sampled draft's q spans it
 
     @property
     def length(self) -> int:
         return self.cache.length
 
-    def reset(self, max_len: int) -> None:
+    def begin(self, prompt_ids: list[int], context: list[int], aux: torch.Tensor, max_len: int) -> None:
+        """A new request: a cache of `max_len` positions, then the prompt's positions committed."""
         self.cache = self.drafter.new_cache(1, max_len)
+        self.commit(aux, torch.tensor(context[1:], device=aux.device))
 
     @torch.no_grad()
     def commit(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Extend over committed positions. aux: [1, m, 3*tH]; next_tokens: [m] (token at t+1)."""
+        """Extend over committed positions. aux: [m, 3*tH]; next_tokens: [m] (token at t+1)."""
         start = self.cache.length
         m = next_tokens.numel()
         pos = torch.arange(start, start + m, device=aux.device)[None]
         dt = self.drafter.lm_head.weight.dtype
-        hidden, logits = self.drafter(next_tokens[None], aux.to(dt), pos, self.cache)
+        hidden, logits = self.drafter(next_tokens[None], aux[None].to(dt), pos, self.cache)
         self.last_hidden, self.last_logits = hidden[0, -1], logits[0, -1]
 
     def _full_q(self, probs_draft: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -49,7 +56,9 @@ class Eagle3Proposer:
         return q
 
     @torch.no_grad()
-    def propose(self, params: SamplingParams, gen: torch.Generator | None, vocab: int) -> Draft:
+    def propose(self, context: list[int], limit: int, params: SamplingParams, gen: torch.Generator | None) -> Draft:
+        """k drafts deep (a chain or the tree's shape) from the last committed position."""
+        vocab = self.vocab
         chain = self.tree is None
         width = 1 if chain else self.tree.top_k
         depth = self.k if chain else self.tree.depth

@@ -162,9 +162,15 @@ class _StaticDrafter:
             fn()
         return g
 
-    # -- the proposer's interface -----------------------------------------------------------
+    # -- the proposer's interface (engine.Proposer) ------------------------------------------
+    needs_aux = True
+
+    def begin(self, prompt_ids: list[int], context: list[int], aux: torch.Tensor, max_len: int | None = None) -> None:
+        """A new request (its length fits: the engine sized this drafter's cache)."""
+        self.start(aux, torch.tensor(context[1:], device=aux.device))
+
     @torch.no_grad()
-    def begin(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
+    def start(self, aux: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """A new sequence: commit the prompt's m positions (aux [m, 3tH], next_tokens [m]) eagerly,
         once, since m varies."""
         m = next_tokens.numel()
@@ -190,7 +196,7 @@ class _StaticDrafter:
         """Capture both graphs now (a dummy one-token sequence; the next begin() resets it)."""
         dev = self.kc.device
         aux, ids = self.in_aux[0, :1].clone(), torch.zeros(1, dtype=torch.long, device=dev)
-        self.begin(aux, ids)
+        self.start(aux, ids)
         self.propose()
         self.commit(aux, ids)
         self.propose()
@@ -227,7 +233,8 @@ class StaticChainDrafter(_StaticDrafter):
             h, lg = self._layer(tok.view(1, 1), h, p, self._causal(p), aux=False)
 
     @torch.no_grad()
-    def propose(self) -> Draft:
+    def propose(self, context=None, limit=None, params=None, gen=None) -> Draft:
+        """A round of k drafts (greedy; what the engine passes is not needed)."""
         self._replay("_draft_graph")
         tokens = self.drafts.tolist()  # the round's one host read
         return Draft(tokens=tokens, parents=list(range(-1, len(tokens) - 1)))
@@ -308,7 +315,8 @@ class StaticTreeDrafter(_StaticDrafter):
         self.out[1].copy_(renumber.index_select(0, torch.where(parents < 0, self.nodes, parents)))
 
     @torch.no_grad()
-    def propose(self) -> Draft:
+    def propose(self, context=None, limit=None, params=None, gen=None) -> Draft:
+        """A round's tree (greedy; what the engine passes is not needed)."""
         self._replay("_draft_graph")
         tokens, parents = self.out.tolist()  # the round's one host read
         return Draft(tokens=tokens, parents=parents)

@@ -25,10 +25,11 @@ from ..models.target import Target
 from .api import SamplingParams, StepOutput
 from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
-from .engine import SpeculativeEngine, step_output
-from .sampling import sample, target_probs
+from .engine import PlainProposer, Rows, SpeculativeEngine, accept, step_output
 from .static_decoder import FastDecoder, causal_mask, prefer_coordinate_descent
 from .tree import Draft, TreeConfig, ancestor_mask
+
+GREEDY = SamplingParams(temperature=0.0)
 
 
 class FastEngine(SpeculativeEngine):
@@ -131,67 +132,23 @@ class FastEngine(SpeculativeEngine):
                 return T
         raise SpecdecError(f"a draft of {n - 1} tokens exceeds the largest verify bucket {self.buckets[-1] - 1}")
 
-    @torch.no_grad()
-    def generate_iter(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
-        gen, stops = self._begin(prompt_ids, params)
-        dev = self.target.device
-        greedy = params.temperature <= 0
-        eagle = isinstance(self.proposer, Eagle3Proposer)
-        static = self.static if eagle and greedy else None
-        self.fast.aux_layer_ids = list(self.target.aux_layer_ids)
-        logits, top, aux = self.fast.prefill(list(prompt_ids), self.prefill_chunk, capture=eagle)
-        last = int(top) if greedy else sample(target_probs(logits.float(), params), gen)
-        context = list(prompt_ids) + [last]
-        if static is not None:
-            static.begin(aux, torch.tensor(context[1:], device=dev))
-        elif eagle:
-            self.proposer.reset(len(prompt_ids) + params.max_new_tokens + 64)
-            self.proposer.commit(aux[None], torch.tensor(context[1:], device=dev))
-        elif self.proposer is not None:
-            self.proposer.reset(prompt_ids)
-        produced = 1
-        finished = last in stops or produced >= params.max_new_tokens
-        yield StepOutput(token_ids=[last], finished=finished,
-                         finish_reason=("stop" if last in stops else "length") if finished else None)
-        on_device = isinstance(static, StaticChainDrafter) or (greedy and self.proposer is None)
-        if on_device and self.steps_on_device and not finished:
-            yield from self._device_steps(static, context, produced, params.max_new_tokens, stops)
-            return
-        while not finished:
-            P = len(context) - 1  # tokens in the cache; context[-1] is not yet in it
-            budget = params.max_new_tokens - produced
-            if static is not None:
-                draft = static.propose()
-            elif eagle:
-                draft = self.proposer.propose(params, gen, self.target.vocab_size)
-            elif self.proposer is not None:
-                draft = self.proposer.propose(context, min(self.k, budget))
-            else:
-                draft = Draft()
-            n = len(draft)
-            T = self._bucket(n + 1)
-            depths = draft.depths()
-            pos = [P] + [P + 1 + d for d in depths]
-            tmask = _tree_mask(draft.parents, T) if n and not draft.is_chain else causal_mask(T)
-            b = self.fast.step([context[-1], *draft.tokens], pos, P, tmask, T, capture=eagle)
-            if greedy:
-                path, bonus = _greedy_walk(draft, b.top[: n + 1].tolist())
-            else:
-                path, bonus = self._accept(draft, b.logits[: n + 1].float(), params, gen)
-            if path and path != list(range(len(path))):
-                self.fast.compact(P + 1, [P + 1 + i for i in path])
-            new_tokens = [draft.tokens[i] for i in path] + [bonus]
-            if eagle:
-                rows = torch.tensor([0] + [1 + i for i in path], device=dev)
-                if static is not None:
-                    static.commit(b.aux[rows], torch.tensor(new_tokens, device=dev))
-                else:
-                    self.proposer.commit(b.aux[rows][None], torch.tensor(new_tokens, device=dev))
-            out = step_output(new_tokens, len(path), max(depths, default=-1) + 1, n, context, produced,
-                              params.max_new_tokens, stops)
-            produced += len(out.token_ids)
-            finished = out.finished
-            yield out
+    def _verifier(self) -> "StaticVerifier":
+        return StaticVerifier(self)
+
+    def _request_proposer(self, params: SamplingParams):
+        # Greedy EAGLE-3 drafts with the static drafter; sampling needs the eager proposer's q.
+        if self.static is not None and params.temperature <= 0:
+            return self.static
+        return super()._request_proposer(params)
+
+    def _device_steps_for(self, proposer, context, produced, params, stops):
+        if not self.steps_on_device or params.temperature > 0:
+            return None
+        if isinstance(proposer, StaticChainDrafter):
+            return self._device_steps(proposer, context, produced, params.max_new_tokens, stops)
+        if isinstance(proposer, PlainProposer):
+            return self._device_steps(None, context, produced, params.max_new_tokens, stops)
+        return None
 
     def _device_steps(self, static: StaticChainDrafter | None, context: list[int], produced: int, max_new: int,
                       stops) -> Iterator[StepOutput]:
@@ -248,7 +205,7 @@ class FastEngine(SpeculativeEngine):
             if cuda:
                 ready[n % 2].synchronize()
             values = hosts[n % 2].tolist()
-            path, bonus = _greedy_walk(Draft(tokens=values[:k], parents=chain), values[k:])
+            path, bonus = accept(Draft(tokens=values[:k], parents=chain), Rows(None, top=values[k:]), GREEDY, None)
             new_tokens = values[: len(path)] + [bonus]
             out = step_output(new_tokens, len(path), k, k, context, produced, max_new, stops)
             produced += len(out.token_ids)
@@ -260,21 +217,6 @@ class FastEngine(SpeculativeEngine):
                 queued += 1
 
 
-def _greedy_walk(draft: Draft, top: list[int]) -> tuple[list[int], int]:
-    """Longest draft path whose every token is the target's argmax at its parent; the bonus
-    token is the argmax after the path. `top[0]` is the root's row, `top[1 + i]` node i's."""
-    children = draft.children()
-    path: list[int] = []
-    node = -1
-    while True:
-        best = top[0 if node < 0 else 1 + node]
-        match = next((c for c in children.get(node, []) if draft.tokens[c] == best), None)
-        if match is None:
-            return path, best
-        path.append(match)
-        node = match
-
-
 def _tree_mask(parents: list[int], T: int) -> np.ndarray:
     """[T, T] over [root, *nodes, padding]: row i sees j when j is i or an ancestor."""
     n = len(parents)
@@ -282,3 +224,29 @@ def _tree_mask(parents: list[int], T: int) -> np.ndarray:
     m[1 : 1 + n, 0] = 1
     m[1 : 1 + n, 1 : 1 + n] = ancestor_mask(parents).numpy()
     return m
+
+
+class StaticVerifier:
+    """The step loop's verifier on the static decoder: a draft verified in the smallest captured
+    bucket that holds it (padded), the accepted tree path compacted with one captured copy;
+    rolling back is the next step's slot0, nothing to crop."""
+
+    def __init__(self, engine: FastEngine):
+        self.engine, self.fast = engine, engine.fast
+
+    def prefill(self, prompt_ids: list[int], capture: bool) -> Rows:
+        self.fast.aux_layer_ids = list(self.engine.target.aux_layer_ids)
+        logits, top, aux = self.fast.prefill(prompt_ids, self.engine.prefill_chunk, capture=capture)
+        return Rows(logits[None], top.view(1), aux)
+
+    def verify(self, tokens: list[int], P: int, draft: Draft, capture: bool) -> Rows:
+        n = len(draft)
+        T = self.engine._bucket(n + 1)
+        pos = [P] + [P + 1 + d for d in draft.depths()]
+        tmask = _tree_mask(draft.parents, T) if n and not draft.is_chain else causal_mask(T)
+        b = self.fast.step(tokens, pos, P, tmask, T, capture=capture)
+        return Rows(b.logits[: n + 1], b.top[: n + 1], b.aux)
+
+    def keep(self, P: int, path: list[int]) -> None:
+        if path and path != list(range(len(path))):
+            self.fast.compact(P + 1, [P + 1 + i for i in path])

@@ -8,14 +8,21 @@ from .tree import Draft
 
 
 class NgramProposer:
+    """Prompt lookup as an `engine.Proposer`: reads only the context."""
+
+    needs_aux = False
+
     def __init__(self, max_ngram: int = 3, k: int = 5, min_ngram: int = 1):
         self.max_ngram, self.min_ngram, self.k = max_ngram, min_ngram, k
 
-    def reset(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids, context, aux, max_len) -> None:
         pass
 
-    def propose(self, context: list[int], k: int | None = None) -> Draft:
-        k = k or self.k
+    def commit(self, aux, new_tokens) -> None:
+        pass
+
+    def propose(self, context: list[int], limit: int | None = None, params=None, gen=None) -> Draft:
+        k = limit or self.k
         n_ctx = len(context)
         for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
             tail = context[n_ctx - n :]

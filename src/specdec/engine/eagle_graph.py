@@ -85,18 +85,16 @@ class _StaticDrafter:
             # first commit runs the modules below, on the same cache.)
             return self.kernel_layer(ids, hidden, pos, self.causal[:T, :T].contiguous(), aux)
         d = self.drafter
-        attn = d.midlayer.self_attn
         if aux:
             hidden = d.project_aux(hidden)
-        x, residual = d.midlayer.attn_input(d.embed_tokens(ids).to(hidden.dtype), hidden)
-        cos, sin = d.rotary_emb(x, pos[None])
-        q, k, v = attn.project(x, cos, sin)
         slots = pos if slots is None else slots
-        self.kc.index_copy_(2, slots, k)
-        self.vc.index_copy_(2, slots, v)
-        out = small_query_attention(q, self.kc, self.vc, mask)
-        a = attn.o_proj(out.transpose(1, 2).reshape(1, ids.shape[1], -1))
-        return d.head(d.midlayer.finish(a, residual))
+
+        def attend(q, k, v):
+            self.kc.index_copy_(2, slots, k)
+            self.vc.index_copy_(2, slots, v)
+            return small_query_attention(q, self.kc, self.vc, mask)
+
+        return d.head(d.layer(ids, hidden, pos[None], attend))
 
     def _causal(self, pos):
         """Row r attends the slots up to and including pos[r]; shape: [T, size]."""

@@ -160,17 +160,6 @@ class Eagle3Attention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
-    def forward(self, x, cos, sin, cache: DraftKVCache | None, mask: torch.Tensor | None):
-        """Inference attention; `mask` is bool [T, cached + T] (True = may attend), None = causal."""
-        b, t, _ = x.shape
-        q, k, v = self.project(x, cos, sin)
-        past = cache.length if cache is not None else 0
-        if cache is not None:
-            k, v = cache.append(k, v)
-        if mask is None:
-            mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
-        out = small_query_attention(q, k, v, mask)  # shape: [B, nh, T, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -275,13 +264,34 @@ class Eagle3Drafter(nn.Module):
         cache: DraftKVCache | None = None,
         mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inference: the layer over a KV cache (`mask` bool [T, cached + T], True = may attend;
+        None = causal), then the head."""
+        T = input_ids.shape[1]
+
+        def attend(q, k, v):
+            past = cache.length if cache is not None else 0
+            if cache is not None:
+                k, v = cache.append(k, v)
+            m = mask if mask is not None else torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
+            return small_query_attention(q, k, v, m)
+
+        return self.head(self.layer(input_ids, hidden, position_ids, attend))
+
+    def layer(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+        """The drafter's one layer, written once: [input_layernorm(embedding), hidden_norm(hidden)]
+        -> attention -> MLP; returns the layer's output before the final norm [B, T, H]. Its callers
+        differ only in `attend(q, k, v)` (q [B, nh, T, hd], k and v [B, kvh, T, hd] of these rows;
+        returns [B, nh, T, hd]): inference over a KV cache (`forward`), a static drafter's cache
+        slots (`eagle_graph.py`), training-time test's unrolled attention (`train/ttt.py`).
+        `hidden`: target states [B, T, 3*tH] (projected by fc) or a recycled hidden [B, T, H]."""
         if hidden.shape[-1] != self.cfg.hidden_size:  # target states, not a recycled hidden
             hidden = self.project_aux(hidden)
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        x, residual = self.midlayer.attn_input(embeds, hidden)
+        x, residual = self.midlayer.attn_input(self.embed_tokens(input_ids).to(hidden.dtype), hidden)
         cos, sin = self.rotary_emb(x, position_ids)
-        a = self.midlayer.self_attn(x, cos, sin, cache, mask)
-        return self.head(self.midlayer.finish(a, residual))
+        attn = self.midlayer.self_attn
+        o = attend(*attn.project(x, cos, sin))
+        B, T = input_ids.shape
+        return self.midlayer.finish(attn.o_proj(o.transpose(1, 2).reshape(B, T, -1)), residual)
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> DraftKVCache:
         p = self.lm_head.weight

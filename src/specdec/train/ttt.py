@@ -273,26 +273,18 @@ def ttt_unroll_states(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: t
     """`ttt_unroll`, yielding (logits, the layer's output before the final norm [B, L, H]); the
     logits of indices logits_from.. only ([B, L - logits_from, Vd])."""
     B, L = input_ids.shape
-    layer = raw.midlayer
-    attn = layer.self_attn
     hidden = raw.project_aux(aux_hidden.to(raw.fc.weight.dtype))  # shape: [B, L, H]
     positions = torch.arange(L, device=input_ids.device)[None].expand(B, L)
-    k0 = v0 = None
-    extra_k, extra_v = [], []
+    keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # each step's (k, v), [B, kvh, L, hd]
+
+    def attend(q, k, v):  # step 0's keys causally, then each later step's at the same position
+        keys.append((k, v))
+        (k0, v0), rest = keys[0], keys[1:]
+        return ttt_attention(q, k0, v0, [k for k, _ in rest], [v for _, v in rest])
+
     for s in range(steps):
         ids = torch.zeros_like(input_ids)
         ids[:, : max(0, L - 1 - s)] = input_ids[:, 1 + s :]  # token at t+1+s; shape: [B, L]
-        embeds = raw.embed_tokens(ids).to(hidden.dtype)
-        x, residual = layer.attn_input(embeds, hidden)
-        cos, sin = raw.rotary_emb(x, positions + s)
-        q, k, v = attn.project(x, cos, sin)  # shapes: [B, nh, L, hd], [B, kvh, L, hd] x2
-        if s == 0:
-            k0, v0 = k, v
-        else:
-            extra_k.append(k)
-            extra_v.append(v)
-        o = ttt_attention(q, k0, v0, extra_k, extra_v)  # shape: [B, nh, L, hd]
-        o = attn.o_proj(o.transpose(1, 2).reshape(B, L, -1))
-        out = layer.finish(o, residual)
+        out = raw.layer(ids, hidden, positions + s, attend)
         hidden, logits = raw.head(out, logits_from)  # shapes: [B, L, H], [B, L - logits_from, Vd]
         yield logits, out

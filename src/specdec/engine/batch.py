@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecdecError
-from .static_layers import Shapes, check_supported, layer_weights, rope_tables, round_up
-from .layer_math import rms_norm, rotate_half
+from .layer_math import rms_norm
+from .static_layers import (Shapes, check_supported, decoder_layer, layer_weights, rope, rope_tables, round_up,
+                            split_heads)
 
 
 @dataclass
@@ -103,28 +104,28 @@ class BatchDecoder:
         B, T = ids.shape
         g, hd = s.groups, s.head_dim
         cos_t, sin_t = self._rope(int(kv[0].shape[3]))
-        c, sn = cos_t[pos][:, None], sin_t[pos][:, None]  # shape: [B, 1, T, hd]
+        c, sn = cos_t[pos][:, :, None], sin_t[pos][:, :, None]  # shape: [B, T, 1, hd]
         # GQA without repeating the cache: a kv head's g query heads become g * T query rows.
         mask = allowed[:, None].repeat(1, 1, g, 1)  # shape: [B, 1, g T, S]
         x = F.embedding(ids, self.embed)
+
+        def norm_linear(x, ln, w, b):
+            return F.linear(rms_norm(x, ln, s.eps), w, b)
+
+        def add_linear(residual, x, w, b):
+            return residual + F.linear(x, w, b)
+
         for w, cache in zip(self.layers, kv):
-            qkv = F.linear(rms_norm(x, w.ln1, s.eps), w.wqkv, w.bqkv)
-            q, k, v = qkv.split([s.heads * hd, s.kv_heads * hd, s.kv_heads * hd], dim=-1)
-            q = q.view(B, T, s.heads, hd).transpose(1, 2)
-            k = k.view(B, T, s.kv_heads, hd).transpose(1, 2)
-            v = v.view(B, T, s.kv_heads, hd).transpose(1, 2)
-            if w.qn is not None:  # Qwen3: per-head RMSNorm before rope
-                q, k = rms_norm(q, w.qn, s.eps), rms_norm(k, w.kn, s.eps)
-            q = q * c + rotate_half(q) * sn
-            k = k * c + rotate_half(k) * sn
-            cache[0].index_copy_(2, slots, k)
-            cache[1].index_copy_(2, slots, v)
-            qg = q.reshape(B, s.kv_heads, g * T, hd)  # heads are kv-major: head h reads kv head h // g
-            o = F.scaled_dot_product_attention(qg, cache[0], cache[1], attn_mask=mask, scale=hd**-0.5)
-            o = o.reshape(B, s.heads, T, hd).transpose(1, 2).reshape(B, T, s.heads * hd)
-            x = x + F.linear(o, w.wo, w.bo)
-            gate, up = F.linear(rms_norm(x, w.ln2, s.eps), w.wgu, w.bgu).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w.wd, w.bd)
+            def attention(qkv, qn, kn):
+                q, k, v = split_heads(qkv, s, qn, kn)  # shapes: [B, T, heads, hd]
+                q, k = rope(q, c, sn).transpose(1, 2), rope(k, c, sn).transpose(1, 2)
+                cache[0].index_copy_(2, slots, k)
+                cache[1].index_copy_(2, slots, v.transpose(1, 2))
+                qg = q.reshape(B, s.kv_heads, g * T, hd)  # heads are kv-major: head h reads kv head h // g
+                o = F.scaled_dot_product_attention(qg, cache[0], cache[1], attn_mask=mask, scale=hd**-0.5)
+                return o.reshape(B, s.heads, T, hd).transpose(1, 2).reshape(B, T, s.heads * hd)
+
+            x = decoder_layer(x, w.args(), attention, norm_linear, add_linear)
         logits = F.linear(rms_norm(x[:, -1], self.norm_w, s.eps), self.lm_w)
         return logits.argmax(dim=-1)
 

@@ -84,6 +84,39 @@ class Shapes:
         )
 
 
+def split_heads(qkv: torch.Tensor, s: Shapes, qn, kn):
+    """A fused q/k/v row block [..., T, (nh + 2 nkv) hd] -> q [..., T, nh, hd], k and v
+    [..., T, nkv, hd], with Qwen3's per-head RMSNorm of q and k before rope."""
+    hd = s.head_dim
+    q, k, v = qkv.split([s.heads * hd, s.kv_heads * hd, s.kv_heads * hd], dim=-1)
+    lead = qkv.shape[:-1]
+    q, k, v = q.view(*lead, s.heads, hd), k.view(*lead, s.kv_heads, hd), v.view(*lead, s.kv_heads, hd)
+    if qn is not None:
+        q, k = rms_norm(q, qn, s.eps), rms_norm(k, kn, s.eps)
+    return q, k, v
+
+
+def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, HF's convention; cos/sin broadcast over the heads."""
+    return t * cos + rotate_half(t) * sin
+
+
+def decoder_layer(x, weights, attention, norm_linear, add_linear, glu=None):
+    """The target's decoder layer, written once for the static decoder and the batch decoder:
+    x + o_proj(attention(qkv_proj(rmsnorm(x)))), then + down(silu(gate) * up) of the normed result.
+    `weights` = (ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd) as `layer_weights` fuses
+    them; callers differ in `attention(qkv, qn, kn)` (the cache and the mask), in the products
+    (`norm_linear(x, ln, w, b)`, `add_linear(residual, x, w, b)`: plain, or Triton kernels with the
+    norm and the residual add folded in) and in `glu(x, ln2, wgu, bgu)`, a folded SiLU * up or None."""
+    ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd = weights
+    x = add_linear(x, attention(norm_linear(x, ln1, wqkv, bqkv), qn, kn), wo, bo)
+    act = glu(x, ln2, wgu, bgu) if glu is not None else None
+    if act is None:
+        gate, up = norm_linear(x, ln2, wgu, bgu).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+    return add_linear(x, act, wd, bd)
+
+
 def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None = None):
     """One decoder layer over T tokens. Every argument is a tensor (or None), so one compiled
     graph serves all layers. With `gemv`, steps of up to gemv.ROWS_MAX tokens run gemv.py's Triton
@@ -109,17 +142,14 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
 
     def attention(qkv, qn, kn, kv, cos, sin, slots, mask, tm):
         T = qkv.shape[0]
-        q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q, k, v = q.view(T, nh, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
-        if qn is not None:  # Qwen3: per-head RMSNorm before rope
-            q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
+        q, k, v = split_heads(qkv, s, qn, kn)  # shapes: [T, nh, hd], [T, nkv, hd] x2
         c, sn = cos[:, None, :], sin[:, None, :]
-        k = k * c + rotate_half(k) * sn
+        k = rope(k, c, sn)
         # kv shape: [2, nkv, S, hd]; one index_put_ for keys and values, reinplaced
         kv[:, :, slots] = torch.stack((k, v)).transpose(1, 2)
         if kernel and qn is None and decode_attention.fits(qkv, kv, nh):
             return decode_attention.decode_attention(qkv, cos, sin, kv, slots, tm, nh, scale)  # ropes q itself
-        q = q * c + rotate_half(q) * sn
+        q = rope(q, c, sn)
         # GQA without repeating the cache: the g query heads of one kv head become g*T rows.
         qg = q.view(T, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * T, hd)
         att = torch.matmul(qg, kv[0].transpose(1, 2)) * scale  # shape: [nkv, gT, S]
@@ -128,15 +158,15 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
         o = torch.matmul(att, kv[1])  # shape: [nkv, gT, hd]
         return o.view(nkv, g, T, hd).permute(2, 0, 1, 3).reshape(T, nh * hd)
 
-    def layer(x, ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd, kv, cos, sin, slots, mask, tm):
-        qkv = norm_linear(x, ln1, wqkv, bqkv)  # shape: [T, (nh + 2 nkv) hd]
-        x = add_linear(x, attention(qkv, qn, kn, kv, cos, sin, slots, mask, tm), wo, bo)
+    def glu(x, ln2, wgu, bgu):
         if gemv and bgu is None and fused_one_token(x, wgu) and folds_glu(wgu):
-            act = rms_glu_linear(x, ln2, eps, wgu)
-        else:
-            gate, up = norm_linear(x, ln2, wgu, bgu).chunk(2, dim=-1)
-            act = F.silu(gate) * up
-        return add_linear(x, act, wd, bd)
+            return rms_glu_linear(x, ln2, eps, wgu)
+        return None
+
+    def layer(x, ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd, kv, cos, sin, slots, mask, tm):
+        return decoder_layer(x, (ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd),
+                             lambda qkv, qn, kn: attention(qkv, qn, kn, kv, cos, sin, slots, mask, tm),
+                             norm_linear, add_linear, glu)
 
     return layer
 

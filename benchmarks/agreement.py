@@ -23,14 +23,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from specdec.bench.roofline import device_info, random_model, smollm2_135m_config  # noqa: E402
-from specdec.engine.api import SamplingParams  # noqa: E402
-from specdec.engine.engine import SpeculativeEngine  # noqa: E402
+from specdec.bench.roofline import device_info, random_model, smollm2_135m_config
+from specdec.engine.api import SamplingParams
+from specdec.engine.engine import SpeculativeEngine
 from specdec.engine.fast import FastEngine
-from specdec.engine.static_decoder import causal_mask  # noqa: E402
-from specdec.models.target import Target  # noqa: E402
+from specdec.engine.static_decoder import causal_mask
+from specdec.models.target import Target
 
 
 @torch.no_grad()

@@ -23,23 +23,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from transformers import LlamaConfig  # noqa: E402
-
-import specdec.models.drafter as drafter_mod  # noqa: E402
-from specdec.engine.api import SamplingParams  # noqa: E402
-from specdec.engine.eagle import Eagle3Proposer  # noqa: E402
-from specdec.engine.eagle_graph import StaticChainDrafter, StaticTreeDrafter  # noqa: E402
-from specdec.engine.eagle_kernels import applies  # noqa: E402
-from specdec.engine.tree import TreeConfig  # noqa: E402
-from specdec.models.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+import specdec.models.drafter as drafter_mod
+from specdec.engine.api import SamplingParams
+from specdec.engine.eagle import Eagle3Proposer
+from specdec.engine.eagle_graph import StaticChainDrafter, StaticTreeDrafter
+from specdec.engine.eagle_kernels import applies
+from specdec.engine.tree import TreeConfig
+from specdec.models.drafter import DrafterConfig, Eagle3Drafter
 
 SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                       num_hidden_layers=30, vocab_size=49152, max_position_embeddings=8192)

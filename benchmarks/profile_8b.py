@@ -26,12 +26,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from specdec.bench.roofline import (  # noqa: E402
+from specdec.bench.roofline import (
     copy_bandwidth, decoder_step_ms, device_info, llama31_8b_config, random_model, randomize_cache, time_cuda,
 )
-from specdec.engine.static_decoder import FastDecoder, causal_mask  # noqa: E402
+from specdec.engine.static_decoder import FastDecoder, causal_mask
 
 
 def family(name: str) -> str:

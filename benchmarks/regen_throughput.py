@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from specdec.data.chat import prompt_ids  # noqa: E402
-from specdec.data.datasets import load_conversations  # noqa: E402
-from specdec.data.regenerate import RegenConfig, generate_batch  # noqa: E402
-from specdec.engine.batch import BatchDecoder  # noqa: E402
-from specdec.models.target import load_target  # noqa: E402
+from specdec.data.chat import prompt_ids
+from specdec.data.datasets import load_conversations
+from specdec.data.regenerate import RegenConfig, generate_batch
+from specdec.engine.batch import BatchDecoder
+from specdec.models.target import load_target
 
 
 def timed(fn):

@@ -34,13 +34,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from specdec.bench.roofline import (  # noqa: E402
+from specdec.bench.roofline import (
     apply_knob, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kv_bytes_per_token,
     llama31_8b_config, random_model, randomize_cache, weight_bytes,
 )
-from specdec.engine.static_decoder import FastDecoder, causal_mask  # noqa: E402
+from specdec.engine.static_decoder import FastDecoder, causal_mask
 
 VARIANTS = {
     "eager": dict(compile=False, cuda_graphs=False),  # CPU smoke runs (--tiny)

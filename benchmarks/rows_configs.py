@@ -22,10 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from specdec.bench.roofline import device_info  # noqa: E402
-from specdec.engine import gemv  # noqa: E402
+from specdec.bench.roofline import device_info
+from specdec.engine import gemv
 
 # (name, rows N, columns K, RMSNorm folded, residual add folded): one layer's products and the head.
 SHAPES = [("qkv", 6144, 4096, True, False), ("o", 4096, 4096, False, True), ("gate_up", 28672, 4096, True, False),

@@ -1,10 +1,11 @@
 """Ways to stream a weight for a few tokens, on Llama-3.1-8B's product shapes, timed in CUDA graphs.
 
-The rows kernel (`engine/gemv.py`) verifies 8 tokens at 3.4-3.7 TB/s of weight where the one-token
-GEMV streams 3.9-4.2 (H200 profiles, BENCHMARKS.md section 1): the 8-token step costs 1.09-1.19x
-the one-token step, and the bar is 1.1x. This times, for each product shape and 8 tokens, one
-config at a time, each launch inside a CUDA graph (so no launch from Python in the figure) and
-cycling over copies of the weight larger than L2 together (so each launch reads HBM, as in a step):
+A verify step reads the same weights as a one-token step, so it should cost barely more; but the
+rows kernel (`engine/gemv.py`) streams weight for 8 tokens more slowly than the one-token GEMV
+does, and that gap is most of what the 8-token step costs over the one-token step. To find which
+way of streaming closes it, this times, for each product shape and 8 tokens, one config at a time,
+each launch inside a CUDA graph (so no launch from Python in the figure) and cycling over copies of
+the weight larger than L2 together (so each launch reads HBM, as in a step):
 
     gemv1     the shipped one-token GEMV (autotuned), the figure to match
     rows      the shipped rows kernel, each config of its autotune set
@@ -33,19 +34,16 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from specdec.bench.roofline import copy_bandwidth, device_info  # noqa: E402
-from specdec.engine import gemv  # noqa: E402
+from specdec.bench.roofline import copy_bandwidth, device_info
+from specdec.engine import gemv
 
 # (name, rows N, columns K, RMSNorm folded, residual add folded, products per step)
 SHAPES = [("gate_up", 28672, 4096, True, False, 32), ("down", 4096, 14336, False, True, 32),
           ("qkv", 6144, 4096, True, False, 32), ("o", 4096, 4096, False, True, 32),
           ("lm_head", 128256, 4096, True, False, 1)]
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 
 @triton.jit

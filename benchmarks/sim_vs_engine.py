@@ -16,24 +16,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from specdec.capture.run import load_records, run_capture  # noqa: E402
-from specdec.capture.store import CaptureStore  # noqa: E402
-from specdec.data.datasets import load_conversations  # noqa: E402
-from specdec.data.regenerate import RegenConfig, regenerate_local  # noqa: E402
-from specdec.engine.choice import make_engine  # noqa: E402
-from specdec.evaluate import evaluate  # noqa: E402
-from specdec.models.formats import load_drafter  # noqa: E402
-from specdec.models.target import load_target  # noqa: E402
-from specdec.train.data import OfflineSource  # noqa: E402
-from specdec.train.loop import DrafterTTT, evaluate_heldout  # noqa: E402
-from specdec.train.ttt import TargetHead  # noqa: E402
+from specdec.capture.run import load_records, run_capture
+from specdec.capture.store import CaptureStore
+from specdec.data.datasets import load_conversations
+from specdec.data.regenerate import RegenConfig, regenerate_local
+from specdec.engine.choice import make_engine
+from specdec.evaluate import evaluate
+from specdec.models.formats import load_drafter
+from specdec.models.target import load_target
+from specdec.train.data import OfflineSource
+from specdec.train.loop import DrafterTTT, evaluate_heldout
+from specdec.train.ttt import TargetHead
 
 
 def main() -> int:

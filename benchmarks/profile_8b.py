@@ -44,17 +44,14 @@ def family(name: str) -> str:
 
 
 def profile_step(dec: FastDecoder, ctx: int, steps: int = 20, T: int = 1) -> dict:
-    b = dec._buffers(T, False)
-    dec._fill(b, [5] * T, list(range(ctx, ctx + T)), ctx, causal_mask(T))
-    b.staging.copy_(b.host)
-    with torch.no_grad():
-        for _ in range(3):
-            dec._run(b.staging, False)
+    b = dec.stage([5] * T, list(range(ctx, ctx + T)), ctx, causal_mask(T), T)
+    for _ in range(3):
+        dec.run_eager(b)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            dec.run_eager(b)
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                dec._run(b.staging, False)
-            torch.cuda.synchronize()
     per_kernel: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -178,7 +175,7 @@ def main() -> None:
         (out / "profile_8b.json").write_text(json.dumps(res, indent=2) + "\n")
     torch._dynamo.reset()
     dec.optimize(compile=True, cuda_graphs=True, coordinate_descent=False)
-    dec._buffers(1, False)
+    dec.warmup([1])
     res["graph_step_ms"] = decoder_step_ms(dec, 1, slot0=args.ctx)["ms"]
     print(f"graph step {res['graph_step_ms']:.3f} ms", flush=True)
     (out / "profile_8b.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -149,7 +149,7 @@ def main() -> int:
                         res["skipped"].append(f"{name}:{T}")
                         continue
                     t0 = time.time()
-                    dec._buffers(T, False)
+                    dec.warmup([T])
                     setup = time.time() - t0
                     r = decoder_step_ms(dec, T, slot0=args.ctx)
                     r["compile_and_capture_s"] = setup

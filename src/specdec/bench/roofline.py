@@ -199,13 +199,10 @@ def decoder_step_ms(dec, T: int, *, slot0: int, iters: int = 50, seed: int = 0) 
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, dec.shapes.vocab, (T,), generator=g).tolist()
-    b = dec._buffers(T, False)
-    dec._fill(b, ids, list(range(slot0, slot0 + T)), slot0, causal_mask(T))
-    b.staging.copy_(b.host)
+    b = dec.stage(ids, list(range(slot0, slot0 + T)), slot0, causal_mask(T), T)
     if b.graph is not None:
         return time_cuda(b.graph.replay, iters=iters)
-    with torch.no_grad():
-        return time_cuda(lambda: dec._run(b.staging, False), iters=max(1, iters // 10), repeats=3, warmup=1)
+    return time_cuda(lambda: dec.run_eager(b), iters=max(1, iters // 10), repeats=3, warmup=1)
 
 
 def randomize_cache(dec, seed: int = 0) -> None:

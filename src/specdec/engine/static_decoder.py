@@ -251,6 +251,12 @@ class FastDecoder:
             with torch.no_grad():
                 b.logits, b.top, b.aux = self._run(b.staging, capture)
 
+    def run_eager(self, b: StepBuffers, capture: bool = False):
+        """The staged step run without its graph, every kernel launched (for profiling and for
+        timing what the graph saves); returns (logits, top, aux)."""
+        with torch.no_grad():
+            return self._run(b.staging, capture)
+
     # -- cache edits -----------------------------------------------------------------------
     def compact(self, dst_start: int, src: list[int]) -> None:
         """Move cache slots `src` to dst_start.. in every layer (an accepted tree path)."""

@@ -13,6 +13,8 @@
 #   quickstart        `specdec quickstart` on the GPU defaults; each call resumes it; once it ends,
 #                     its drafter comes home in pieces of < 16 MiB                          (staged)
 #   bench             `specdec bench` on real SmolLM2 with the drafter folder $DRAFTER      (staged)
+#   trees             `specdec eval` of $DRAFTER's trees ($TREES, "D,K,N ..."; PLAIN=1 compares plain) (staged)
+#   serve-check       `specdec serve` on CUDA with $DRAFTER (else n-gram): requests, /metrics, diagnose (staged)
 #   stage             staging alone
 #
 # Staging: the GPU machine reaches no registry and a call carries at most 64 MiB, so what the staged
@@ -26,7 +28,8 @@
 set -euo pipefail
 usage() { sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
-  headline | decode8b | smollm2 | drafter-step | train-throughput | regen-throughput | quickstart | bench | stage) ;;
+  headline | decode8b | smollm2 | drafter-step | train-throughput | regen-throughput | quickstart | bench | trees \
+    | serve-check | stage) ;;
   -h | --help) usage; exit 0 ;;
   *) usage >&2; exit 2 ;;
 esac
@@ -128,6 +131,31 @@ bench() {  # DRAFTER: a drafter folder (carried, relative to the repository), el
   # shellcheck disable=SC2086  # BENCH_ARGS: options, split on spaces
   run "${BENCH_S:-240}" python3 -m specdec bench --target smollm2-135m-instruct --drafter "$d" --limit 5 \
     --max-new-tokens 256 ${BENCH_ARGS:---k 1,2,3,4,5 --tree 4,4,16 --no-hf} --out "$OUT/${DEV}_bench.json"
+}
+trees() {
+  local d=${DRAFTER:-$QS/train/drafter} tree depth topk tokens
+  need "$GGUF" "$DATA/mt-bench.jsonl" "$d/config.json"
+  for tree in ${TREES:-6,8,48 8,8,64}; do
+    IFS=, read -r depth topk tokens <<< "$tree"
+    run "${TREE_S:-150}" sh -c "python3 -m specdec eval --target smollm2-135m-instruct --drafter $d --limit 10 \
+      --max-new-tokens 256 --tree-depth $depth --tree-top-k $topk --tree-tokens $tokens ${PLAIN:+--compare-plain} \
+      --no-progress --json > $OUT/${DEV}_eval_tree_${depth}-${topk}-${tokens}.json"
+  done
+}
+serve_check() {  # a real served drafter on CUDA: a few chat requests, then /metrics through diagnose
+  local d=${DRAFTER:-} log=$OUT/${DEV}_serve_check.log pid draft=(--ngram 3)
+  need "$GGUF"
+  if [ -n "$d" ]; then draft=(--drafter "$d"); fi
+  python3 -m specdec serve --target smollm2-135m-instruct "${draft[@]}" --port 8321 > "$log" 2>&1 & pid=$!
+  for _ in $(seq 240); do grep -q "ready on" "$log" && break; sleep 1; done
+  for _ in 1 2 3 4; do
+    curl -s -m 120 http://127.0.0.1:8321/v1/chat/completions -H 'Content-Type: application/json' -d \
+      '{"messages": [{"role": "user", "content": "Explain what a hash table is."}], "max_tokens": 128}' | head -c 300
+    echo
+  done | tee -a "$LOG"
+  curl -s http://127.0.0.1:8321/metrics > "$OUT/${DEV}_serve_check_metrics.txt"
+  run 60 python3 -m specdec diagnose "$OUT/${DEV}_serve_check_metrics.txt" ${d:+--drafter "$d"}
+  kill "$pid"
 }
 
 stage

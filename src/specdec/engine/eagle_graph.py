@@ -68,9 +68,8 @@ class _StaticDrafter:
                              "_verified_graph": self._commit_verified}
         self._steps = self._eager_steps
         if compile:
-            # Without coordinate-descent tuning even where the target's FastDecoder turned it on
-            # for the process: tuning every kernel of a tree's six unrolled depths takes minutes of
-            # compiling, and the chain's round is fast enough without it.
+            # Without coordinate-descent tuning: tuning every kernel of a tree's six unrolled depths
+            # takes minutes of compiling, and the chain's round is fast enough without it.
             self._steps = {name: torch.compile(fn, dynamic=False, fullgraph=True,
                                                options={"coordinate_descent_tuning": False})
                            for name, fn in self._eager_steps.items()}

@@ -123,23 +123,22 @@ class FastDecoder:
         self._layer_args = []
         self._layer_args = [(lw.packed() if gemv and pack else lw).args() for lw in self.layers]
         if compile:
-            import torch._inductor.config as ic
-
-            ic.coordinate_descent_tuning = coordinate_descent
-            ic.triton.unique_kernel_names = True
-            if hasattr(ic, "fx_graph_cache"):
-                ic.fx_graph_cache = True
             import torch._dynamo.config as dc
+            from torch._inductor import list_mode_options
 
-            # One compiled graph per (bucket size, dtype): more than dynamo's default of 8.
+            # One compiled graph per (bucket size, dtype), and decoders of several k share a
+            # process: more than dynamo's default of 8. Dynamo has no per-function limit; this only
+            # ever raises it.
             for name in ("recompile_limit", "cache_size_limit"):
                 if hasattr(dc, name):
                     setattr(dc, name, max(64, getattr(dc, name)))
             if hasattr(dc, "accumulated_recompile_limit"):
                 dc.accumulated_recompile_limit = max(1024, dc.accumulated_recompile_limit)
-            opts = dict(dynamic=False, fullgraph=True)
-            if mode:
-                opts["mode"] = mode
+            # Inductor's settings for these functions only (a `mode` spelled out as its options,
+            # since torch.compile takes one or the other), never the process's.
+            options = {**(list_mode_options(mode) if mode else {}), "coordinate_descent_tuning": coordinate_descent,
+                       "triton.unique_kernel_names": True}
+            opts = dict(dynamic=False, fullgraph=True, options=options)
             self._layer = torch.compile(self._layer, **opts)
             self._prep = torch.compile(self._prep, **opts)
             self._head = torch.compile(self._head, **opts)

@@ -90,6 +90,7 @@ def test_static_trees_equal_eager_trees(tiny_targets, arch, tree, compile):
         assert len(shapes) > 1  # the selection really moved with the scores
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="its failure to capture is the absence of CUDA")
 def test_a_step_that_cannot_be_captured_is_drafted_without_graphs(tiny_targets):
     """Where compiling or capturing fails (here: no CUDA at all), the drafter warns once and drafts
     the same trees without graphs instead of failing the generation."""

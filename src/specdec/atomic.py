@@ -85,30 +85,28 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     if not path.exists():
         return []
     records = []
-    with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
-    # After the last newline: b"" for a complete file, else a last line without its newline.
-    for n, raw in enumerate(lines, 1):
-        torn = n == len(lines)
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            if torn:
-                _torn(path, n)
-                break
-            raise SpecdecError(f"{path}, line {n}: not valid UTF-8 (byte {e.start + 1}); fix or delete that line, "
-                               f"then rerun") from None
-        except ValueError as e:  # JSONDecodeError, or an integer too long to convert
-            if torn:
-                _torn(path, n)
-                break
-            raise SpecdecError(f"{path}, line {n}: not valid JSON ({e}); expected one JSON object per line: fix "
-                               f"or delete that line, then rerun") from None
-        if not isinstance(record, dict):
-            raise SpecdecError(f"{path}, line {n}: a JSON {type(record).__name__}, expected an object")
-        records.append(record)
+    with open(path, "rb") as f:  # line by line: a capture's index or a prompt set can be large
+        for n, raw in enumerate(f, 1):
+            torn = not raw.endswith(b"\n")  # only the last line can lack its newline
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                if torn:
+                    _torn(path, n)
+                    break
+                raise SpecdecError(f"{path}, line {n}: not valid UTF-8 (byte {e.start + 1}); fix or delete that "
+                                   f"line, then rerun") from None
+            except ValueError as e:  # JSONDecodeError, or an integer too long to convert
+                if torn:
+                    _torn(path, n)
+                    break
+                raise SpecdecError(f"{path}, line {n}: not valid JSON ({e}); expected one JSON object per line: "
+                                   f"fix or delete that line, then rerun") from None
+            if not isinstance(record, dict):
+                raise SpecdecError(f"{path}, line {n}: a JSON {type(record).__name__}, expected an object")
+            records.append(record)
     return records
 
 

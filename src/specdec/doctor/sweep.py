@@ -243,15 +243,13 @@ def _se(row: dict) -> float:
 
 
 def run_sweep(target, drafter, conversations, *, k: int, max_tokens: int, min_prompts: int = 3,
-              progress: bool = False, stop=None) -> tuple[Reference, Sweep, bool]:
-    """The reference and the sweep, prompt by prompt, until `stop(reference, sweep)` says the
-    answer is clear (after `min_prompts`) or the prompts run out. Returns (reference, sweep,
-    stopped early)."""
+              progress: bool = False) -> tuple[Reference, Sweep, bool]:
+    """The reference and the sweep, prompt by prompt, until the sweep has decided (after
+    `min_prompts`) or the prompts run out. Returns (reference, sweep, stopped early)."""
     from ..progress import progress_bar
 
     conversations = list(conversations)
     reference, sweep = Reference(target, drafter, k=k, max_tokens=max_tokens), Sweep(target, drafter, k)
-    stop = stop or (lambda ref, sw: sw.decided())
     early = False
     with progress_bar(enabled=progress) as bar:
         task = bar.add_task("reference and sweep", total=len(conversations), rate="")
@@ -260,7 +258,7 @@ def run_sweep(target, drafter, conversations, *, k: int, max_tokens: int, min_pr
             sweep.add(reference.texts[-1])
             ref = reference.summary()
             bar.update(task, advance=1, rate=f"AL {ref['mean_acceptance_length']:.2f} over {ref['num_drafts']} steps")
-            if n >= min_prompts and n < len(conversations) and stop(reference, sweep):
+            if n >= min_prompts and n < len(conversations) and sweep.decided():
                 early = True
                 break
     return reference, sweep, early

@@ -29,6 +29,7 @@ completion prompts are encoded with the tokenizer's special tokens, as vLLM does
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 from contextlib import asynccontextmanager
@@ -341,7 +342,10 @@ async def _wait_started(job: Job, request: Request, scheduler) -> None:
     """Until the engine takes the job: a client that goes away, or a wait past the queue timeout,
     ends it without running; an error it ended with (shutdown) becomes this request's."""
     while not job.started.is_set():
-        await asyncio.sleep(DISCONNECT_POLL_S)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(job.woken.wait(), DISCONNECT_POLL_S)
+        if job.started.is_set():
+            break
         if scheduler.expired(job):
             job.cancel(f"waited {scheduler.queue_timeout:g} s in the queue without starting (--queue-timeout); "
                        f"retry later", "queue_timeout")

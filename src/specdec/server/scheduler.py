@@ -81,6 +81,7 @@ class Job:
     arrival: float = field(default_factory=time.perf_counter)
     id: int = 0
     started: threading.Event = field(default_factory=threading.Event)  # the worker took it (or it ended)
+    woken: asyncio.Event = field(default_factory=asyncio.Event)  # `started`, seen from the event loop
     state: str = WAITING
     scheduler: "Scheduler | None" = None
     dropped: Event | None = None  # how it ended if it never ran
@@ -91,6 +92,13 @@ class Job:
         self.cancelled.set()
         if self.scheduler is not None:
             self.scheduler._drop_waiting(self, reason, code)
+
+    def _mark_started(self) -> None:
+        self.started.set()
+        try:  # wake the request waiting on the event loop now rather than at its next poll
+            self.loop.call_soon_threadsafe(self.woken.set)
+        except RuntimeError:  # the event loop is closed: the server is shutting down
+            pass
 
     def _emit(self, event: Event) -> None:
         try:
@@ -153,7 +161,7 @@ class Scheduler:
         self.metrics.observe_finish("abort")
         job.dropped = Event(finished=True, finish_reason="abort", prompt_tokens=len(job.prompt_ids), error=reason,
                             status=503, code=code)
-        job.started.set()
+        job._mark_started()
         job._emit(job.dropped)
 
     def drain(self, timeout: float) -> None:
@@ -184,7 +192,7 @@ class Scheduler:
                 self._waiting -= 1
                 self.metrics.waiting.dec()
                 self._running = job
-            job.started.set()
+            job._mark_started()
             self.metrics.running.inc()
             t0 = time.perf_counter()
             try:

@@ -25,6 +25,7 @@ import torch
 
 from specdec.bench.roofline import device_info, random_model, smollm2_135m_config
 from specdec.engine.api import SamplingParams
+from specdec.engine.config import FastConfig
 from specdec.engine.engine import SpeculativeEngine
 from specdec.engine.fast import FastEngine
 from specdec.engine.static_decoder import causal_mask
@@ -108,9 +109,9 @@ def main() -> int:
             with torch.no_grad():
                 model.model.norm.weight.mul_(args.sharpen)
             target = Target(model, None, name=f"smollm2-shapes-{name}")
-            kw = dict(require_cuda=dev == "cuda", max_len=512, prefill_chunk=8)
-            plain = FastEngine(target, **kw)
-            ngram = FastEngine(target, ngram=3, k=7, decoder=plain.fast, **kw)
+            config = FastConfig(require_cuda=dev == "cuda", max_len=512, prefill_chunk=8)
+            plain = FastEngine(target, config=config)
+            ngram = FastEngine(target, ngram=3, k=7, decoder=plain.fast, config=config)
             plain.warmup(), ngram.warmup()
             r["compiled"], r["cuda_graphs"] = plain.fast.compiled, plain.fast.use_graphs
             r["logits_vs_hf_forward"] = logits_check(target, plain)

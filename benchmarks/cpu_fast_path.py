@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 from specdec.data.chat import prompt_ids
 from specdec.data.datasets import load_conversations
 from specdec.engine.api import SamplingParams
+from specdec.engine.config import FastConfig
 from specdec.engine.engine import SpeculativeEngine
 from specdec.engine.eagle_graph import StaticChainDrafter
 from specdec.engine.fast import FastEngine
@@ -56,7 +58,8 @@ def main() -> None:
     prompts = [prompt_ids(target.tokenizer, first_turn(c.messages if hasattr(c, "messages") else c))
                for c in convs]
     ref = tok_s("reference engine", SpeculativeEngine(target), prompts)
-    fast = FastEngine(target, require_cuda=False, max_len=args.max_len)
+    config = FastConfig(require_cuda=False, max_len=args.max_len)
+    fast = FastEngine(target, config=config)
     eager = tok_s("fast decoder, eager", fast, prompts)
     fast.fast.optimize(compile=True, cuda_graphs=False, coordinate_descent=False)
     compiled = tok_s("fast decoder, compiled", fast, prompts)
@@ -66,9 +69,10 @@ def main() -> None:
     drafter = load_drafter(args.drafter, target, dtype=target.dtype)
     k = args.k
     tok_s(f"reference, EAGLE-3 k={k}", SpeculativeEngine(target, drafter=drafter, k=k), prompts)
-    chain = dict(require_cuda=False, max_len=args.max_len, decoder=fast.fast, drafter=drafter, k=k)
-    a = tok_s(f"compiled, EAGLE-3 k={k}, eager", FastEngine(target, static_drafter=False, **chain), prompts)
-    static = FastEngine(target, static_drafter=True, **chain)
+    chain = dict(decoder=fast.fast, drafter=drafter, k=k)
+    eager = FastEngine(target, config=replace(config, static_drafter=False), **chain)
+    a = tok_s(f"compiled, EAGLE-3 k={k}, eager", eager, prompts)
+    static = FastEngine(target, config=config, **chain)
     static.static = StaticChainDrafter(drafter, k=k, max_len=static.max_len, cuda_graphs=False, compile=True)
     b = tok_s(f"compiled, EAGLE-3 k={k}, static", static, prompts)
     print("same tokens, eager proposer and StaticChainDrafter:", a == b)

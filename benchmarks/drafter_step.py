@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from transformers import LlamaConfig
 
 import specdec.models.drafter as drafter_mod
 from specdec.engine.api import SamplingParams
+from specdec.engine.config import FastConfig, KernelConfig
 from specdec.engine.eagle import Eagle3Proposer
 from specdec.engine.eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from specdec.engine.eagle_kernels import applies
@@ -145,20 +147,19 @@ def real_e2e(dev, res, out, names, target_path: str, drafter_path: str, prompts:
     ids = [prompt_ids(target.tokenizer, first_turn(c.messages)) for c in convs]
     params = SP(max_new_tokens=max_new, temperature=0.0)
     cpu = dev.type != "cuda"  # a smoke run of this script on a CPU: the reference math, no kernels
-    plain = FastEngine(target, max_len=2048, require_cuda=not cpu)
+    config = FastConfig(max_len=2048, require_cuda=not cpu)
+    plain = FastEngine(target, config=config)
     engines = {"plain": plain}
     for name in names:
         if name == "plain":
             continue
         if name == "plain-host":  # the host builds each step's input from the argmax it read
-            engines[name] = FastEngine(target, max_len=2048, decoder=plain.fast, steps_on_device=False,
-                                       require_cuda=not cpu)
+            engines[name] = FastEngine(target, decoder=plain.fast, config=replace(config, steps_on_device=False))
             continue
         parts = name.split("-")  # eagle3-k3-kernels, eagle3-k3-kernels-host
         k, kind, host = int(parts[1][1:]), parts[2], parts[-1] == "host"
-        engines[name] = FastEngine(target, max_len=2048, decoder=plain.fast, drafter=drafter, k=k,
-                                   drafter_kernels=kind == "kernels" and not cpu, steps_on_device=not host,
-                                   require_cuda=not cpu)
+        run = replace(config, drafter_kernels=kind == "kernels" and not cpu, steps_on_device=not host)
+        engines[name] = FastEngine(target, decoder=plain.fast, drafter=drafter, k=k, config=run)
     rows = {}
     for name, e in engines.items():
         t0 = time.perf_counter()
@@ -251,25 +252,28 @@ def e2e(dev, res, out, names=E2E_ROWS, profile_steps: bool = False) -> None:
     drafter = Eagle3Drafter(dcfg).to(dev, torch.bfloat16).eval()
     prompt = list(range(3, 67))
     params = SP(max_new_tokens=128 if dev.type == "cuda" else 8, ignore_eos=True)
-    plain = FastEngine(target, max_len=512, require_cuda=False)
+    config = FastConfig(max_len=512, require_cuda=False)
+    plain = FastEngine(target, config=config)
     rows = {}
     tree = TreeConfig(depth=6, top_k=8, total_tokens=48)
-    variants = {"plain": {}, "plain-host": {"steps_on_device": False},
-                "eagle3-k5-eager": {"drafter": drafter, "k": 5, "static_drafter": False},
-                "eagle3-k5-static": {"drafter": drafter, "k": 5, "static_drafter": True, "drafter_kernels": False},
-                "eagle3-k3-static": {"drafter": drafter, "k": 3, "static_drafter": True, "drafter_kernels": False},
-                "eagle3-k5-kernels": {"drafter": drafter, "k": 5, "drafter_kernels": True},
-                "eagle3-k3-kernels": {"drafter": drafter, "k": 3, "drafter_kernels": True},
-                "eagle3-k1-kernels": {"drafter": drafter, "k": 1, "drafter_kernels": True},
-                "eagle3-k3-kernels-host": {"drafter": drafter, "k": 3, "drafter_kernels": True,
-                                           "steps_on_device": False},
-                "eagle3-k5-kernels-host": {"drafter": drafter, "k": 5, "drafter_kernels": True,
-                                           "steps_on_device": False},
-                "eagle3-tree-eager": {"drafter": drafter, "tree": tree, "static_drafter": False},
-                "eagle3-tree-static": {"drafter": drafter, "tree": tree, "static_drafter": True}}
+    def chain(k):
+        return {"drafter": drafter, "k": k}
+
+    host = {"steps_on_device": False}
+    eager, static, kernels = {"static_drafter": False}, {"drafter_kernels": False}, {"drafter_kernels": True}
+    # name: (the engine's proposer, what its FastConfig changes)
+    variants = {"plain": ({}, {}), "plain-host": ({}, host),
+                "eagle3-k5-eager": (chain(5), eager), "eagle3-k5-static": (chain(5), static),
+                "eagle3-k3-static": (chain(3), static), "eagle3-k5-kernels": (chain(5), kernels),
+                "eagle3-k3-kernels": (chain(3), kernels), "eagle3-k1-kernels": (chain(1), kernels),
+                "eagle3-k3-kernels-host": (chain(3), {**kernels, **host}),
+                "eagle3-k5-kernels-host": (chain(5), {**kernels, **host}),
+                "eagle3-tree-eager": ({"drafter": drafter, "tree": tree}, eager),
+                "eagle3-tree-static": ({"drafter": drafter, "tree": tree}, {})}
     for name in ("plain", *[n for n in names if n != "plain"]):
-        kw = variants[name]
-        e = plain if name == "plain" else FastEngine(target, max_len=512, decoder=plain.fast, require_cuda=False, **kw)
+        kw, changes = variants[name]
+        run = replace(config, **changes)
+        e = plain if name == "plain" else FastEngine(target, decoder=plain.fast, config=run, **kw)
         t0 = time.perf_counter()
         e.warmup()
         warm = time.perf_counter() - t0
@@ -372,7 +376,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     drafter_mod.small_query_attention = variants["no-cudnn"]
     statics = (("static", False, False), ("static-compiled", True, False), ("static-kernels", True, True))
-    statics = statics if applies(d, 6) else statics[:2]  # the kernels need Triton on a GPU
+    statics = statics if applies(d, 6, KernelConfig()) else statics[:2]  # the kernels need Triton on a GPU
     for name, compile, kernels in statics:
         st = StaticChainDrafter(d, k=5, max_len=4096, compile=compile, kernels=kernels)
         t0 = time.perf_counter()

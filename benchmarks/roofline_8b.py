@@ -11,7 +11,7 @@ Variants, each a separate compile (torch._dynamo.reset() between them):
                Triton reductions), one CUDA graph
     nocd       inductor without coordinate-descent tuning (cuBLAS GEMV for one token)
     products   nocd with gemv.py's kernels (one token: norms and residual adds folded into the
-               products, SiLU * up too below engine/gemv.py's GLU_FOLD_MAX_BYTES; 2..16 tokens:
+               products, SiLU * up too below KernelConfig.glu_fold_max_bytes; 2..16 tokens:
                the rows kernel), attention as compiled ops
     default    products + decode_attention.py's attention kernels for steps of up to 32 query
                rows per kv head (the key rope and cache write stay compiled)   <- the fast path
@@ -35,9 +35,10 @@ from pathlib import Path
 import torch
 
 from specdec.bench.roofline import (
-    apply_knob, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kv_bytes_per_token,
+    copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kernel_step, kv_bytes_per_token,
     llama31_8b_config, random_model, randomize_cache, weight_bytes,
 )
+from specdec.engine.config import KernelConfig
 from specdec.engine.static_decoder import FastDecoder, causal_mask
 
 VARIANTS = {
@@ -108,7 +109,8 @@ def main() -> int:
     save()
 
     current = None
-    tags: dict[str, str] = {}  # what knob steps (glu=, bs=, rows=, att=) changed, appended to result keys
+    kernels = KernelConfig()  # as kernel setting steps (glu=, bs=, rows=, att=, ...) leave it
+    tags: dict[str, str] = {}  # what those steps changed, appended to result keys
     for step in args.plan.split(";"):
         name, _, ts = step.partition(":")
         if time.time() - t_start > args.budget_s:
@@ -116,8 +118,8 @@ def main() -> int:
             save()
             continue
         try:
-            if apply_knob(name, tags):
-                current = None
+            if (changed := kernel_step(name, kernels, tags)) is not None:
+                kernels, current = changed, None
             elif name == "hf":
                 res["hf_eager_ms"] = hf_decode_ms(model, prompt_len=args.ctx, steps=12)
                 print(f"HF eager {res['hf_eager_ms']:.2f} ms/token", flush=True)
@@ -142,7 +144,7 @@ def main() -> int:
             else:
                 if current != name:
                     torch._dynamo.reset()
-                    dec.optimize(**VARIANTS[name])
+                    dec.optimize(**VARIANTS[name], kernel_config=kernels)
                     current = name
                 for T in (int(x) for x in ts.split(",") if x):
                     if time.time() - t_start > args.budget_s:

@@ -41,7 +41,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, t = "cuda", args.tokens
-    tuned = gemv._rows_tuned[True]  # the shipped autotune set (ROWS_MORE_CONFIGS)
+    tuned = gemv._rows_tuned[True]  # the shipped autotune set (KernelConfig.rows_more_configs)
     res: dict = {"env": device_info(), "command": "python " + " ".join(sys.argv), "tokens": t, "shapes": {}}
     for name, n, k, norm, residual in SHAPES:
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
@@ -59,8 +59,8 @@ def main() -> int:
             """The op the fast path runs for this product over `rows` tokens (1: the GEMV)."""
             xs = x[:rows].contiguous()
             if norm:
-                return gemv.gemv_rms(xs, g, w, 1e-5)
-            return gemv.gemv_add(xs, w, r[:rows].contiguous()) if residual else gemv.gemv(xs, w)
+                return gemv.gemv_rms(xs, g, w, 1e-5, True)
+            return gemv.gemv_add(xs, w, r[:rows].contiguous(), True) if residual else gemv.gemv(xs, w, True)
 
         ms = do_bench(lambda: x @ w.T)
         row["cublas_ms"], row["cublas_TBps"] = ms, rate(ms)

@@ -200,8 +200,8 @@ def main() -> int:
         def product(w, rows):
             xs1 = x[:rows].contiguous()
             if norm:
-                return gemv.gemv_rms(xs1, g, w, 1e-5)
-            return gemv.gemv_add(xs1, w, r[:rows].contiguous()) if residual else gemv.gemv(xs1, w)
+                return gemv.gemv_rms(xs1, g, w, 1e-5, True)
+            return gemv.gemv_add(xs1, w, r[:rows].contiguous(), True) if residual else gemv.gemv(xs1, w, True)
 
         record("gemv1", None, [lambda w=w: product(w, 1) for w in ws], lambda: 0.0)
         record("rows-autotuned", None, [lambda w=w: product(w, T) for w in ws], lambda: err(product(ws[0], T)))

@@ -10,8 +10,8 @@ Steps (--plan, in order; a --budget-s guard skips what would not finish):
     hf          HF eager ms/token (DynamicCache, greedy, one token per forward)
     V:T,T       fast-path step replay ms for bucket sizes T under variant V (graph | cd | nocd |
                 products | default, as in roofline_8b.py)
-    K=N         a kernel knob (glu=, bs=, rows=, att=; specdec.bench.roofline.KNOBS) for the
-                variants after it, which tags their results
+    K=N         a kernel setting (glu=, bs=, rows=, att=, ...; specdec.engine.config.STEPS) for
+                the variants built after it, which tags their results
     e2e         FastEngine.generate ms/token over 256 tokens, host work and prefill included
     fp32        fp32 on the GPU (TF32 off): FastEngine plain and n-gram vs the reference engine
     bench       specdec.bench.runs.run_bench: HF generate, HF prompt lookup, specdec plain, n-gram
@@ -29,15 +29,17 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from specdec.bench.roofline import (
-    apply_knob, copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kv_bytes_per_token,
+    copy_bandwidth, decoder_step_ms, device_info, floor_ms, hf_decode_ms, kernel_step, kv_bytes_per_token,
     random_model, randomize_cache, smollm2_135m_config, weight_bytes,
 )
 from specdec.engine.api import SamplingParams
+from specdec.engine.config import FastConfig, KernelConfig
 from specdec.engine.engine import SpeculativeEngine
 from specdec.engine.fast import FastEngine
 from specdec.models.target import Target, load_target
@@ -119,33 +121,34 @@ def main() -> int:
         prompts = load_prompts(args.prompts, target.tokenizer, args.limit)
     elif target.tokenizer is not None and args.tiny:
         prompts = [target.tokenizer.encode("hello there, how are you?"), target.tokenizer.encode("abcabcabc")]
-    fast_kw = dict(require_cuda=dev == "cuda", max_len=1024)
-    engine = FastEngine(target, ngram=3, k=7, **fast_kw)
+    config = FastConfig(require_cuda=dev == "cuda", max_len=1024)
+    engine = FastEngine(target, ngram=3, k=7, config=config)
     dec = engine.fast
     randomize_cache(dec)
     save()
     current = None
-    tags: dict[str, str] = {}  # what knob steps (rows=, att=, ...) changed, appended to result keys
+    kernels = KernelConfig()  # as kernel setting steps (rows=, att=, ...) leave it
+    tags: dict[str, str] = {}  # what those steps changed, appended to result keys
     for step in args.plan.split(";"):
         name, _, ts = step.partition(":")
         if time.time() - t_start > args.budget_s:
             res["skipped"].append(step)
             continue
         try:
-            if apply_knob(name, tags):
-                current = None
+            if (changed := kernel_step(name, kernels, tags)) is not None:
+                kernels, current = changed, None
             elif name == "hf":
                 res["hf_eager_ms"] = hf_decode_ms(target.model, prompt_len=args.ctx, steps=24)
                 print(f"HF eager {res['hf_eager_ms']:.2f} ms/token", flush=True)
             elif name == "e2e":
                 if current not in ("default", "eager"):
                     torch._dynamo.reset()
-                    dec.optimize(**VARIANTS["default" if dev == "cuda" else "eager"])
+                    dec.optimize(**VARIANTS["default" if dev == "cuda" else "eager"], kernel_config=kernels)
                     current = "default" if dev == "cuda" else "eager"
-                res["e2e"] = e2e(target, args.max_new_tokens, fast_kw, dec)
+                res["e2e"] = e2e(target, args.max_new_tokens, config, dec)
                 print("e2e", res["e2e"], flush=True)
             elif name == "fp32":
-                res["fp32"] = fp32_check(target, folder, prompts, args, fast_kw)
+                res["fp32"] = fp32_check(target, folder, prompts, args, config)
                 print("fp32", res["fp32"], flush=True)
             elif name == "bench":
                 if prompts is None:
@@ -160,7 +163,7 @@ def main() -> int:
             else:
                 if current != name:
                     torch._dynamo.reset()
-                    dec.optimize(**VARIANTS[name])
+                    dec.optimize(**VARIANTS[name], kernel_config=kernels)
                     current = name
                 for T in (int(x) for x in ts.split(",") if x):
                     if time.time() - t_start > args.budget_s:
@@ -186,7 +189,7 @@ def main() -> int:
     return 0
 
 
-def e2e(target, max_new: int, fast_kw: dict, dec) -> dict:
+def e2e(target, max_new: int, config: FastConfig, dec) -> dict:
     """ms/token of FastEngine.generate (plain and n-gram) on a random prompt, ignoring EOS, so
     host work (staging copy, replay, reading the argmax) and the prefill are included."""
     g = torch.Generator().manual_seed(3)
@@ -194,7 +197,7 @@ def e2e(target, max_new: int, fast_kw: dict, dec) -> dict:
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     out = {}
     for name, kw in (("plain", {}), ("ngram", dict(ngram=3, k=7))):
-        eng = FastEngine(target, decoder=dec, **kw, **fast_kw)
+        eng = FastEngine(target, decoder=dec, **kw, config=config)
         eng.warmup()
         eng.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
         r = eng.generate(prompt, params)
@@ -203,7 +206,7 @@ def e2e(target, max_new: int, fast_kw: dict, dec) -> dict:
     return out
 
 
-def fp32_check(target, folder, prompts, args, fast_kw) -> dict:
+def fp32_check(target, folder, prompts, args, config: FastConfig) -> dict:
     """Greedy token identity of the fast path and the reference engine, both fp32 on the GPU."""
     from transformers import AutoModelForCausalLM
 
@@ -222,8 +225,9 @@ def fp32_check(target, folder, prompts, args, fast_kw) -> dict:
     n = min(args.max_new_tokens, 128)
     params = SamplingParams(max_new_tokens=n)
     ref = SpeculativeEngine(t32)
-    fast_plain = FastEngine(t32, prefill_chunk=8, **fast_kw)  # buckets 1 and 8: two compiles
-    fast_ngram = FastEngine(t32, ngram=3, k=7, prefill_chunk=8, decoder=fast_plain.fast, **fast_kw)
+    config = replace(config, prefill_chunk=8)  # buckets 1 and 8: two compiles
+    fast_plain = FastEngine(t32, config=config)
+    fast_ngram = FastEngine(t32, ngram=3, k=7, decoder=fast_plain.fast, config=config)
     out = {"prompts": len(prompts), "max_new_tokens": n, "plain_identical": 0, "ngram_identical": 0,
            "compiled": fast_plain.fast.compiled, "cuda_graphs": fast_plain.fast.use_graphs}
     for p in prompts:

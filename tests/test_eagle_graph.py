@@ -7,7 +7,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dataclasses import replace
+
 from specdec.engine.api import SamplingParams
+from specdec.engine.config import FastConfig
 from specdec.engine.eagle import Eagle3Proposer
 from specdec.engine.eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from specdec.engine.engine import SpeculativeEngine
@@ -118,9 +121,10 @@ def test_fast_engine_with_static_drafter_is_lossless(tiny_targets, arch, shape, 
     target = tiny_targets[arch]
     prompt = torch.randint(0, 250, (11,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = SpeculativeEngine(target).generate(prompt, GREEDY)
-    kw = dict(require_cuda=False, max_len=128, prefill_chunk=8, drafter=random_drafter(target), **shape)
-    eager = FastEngine(target, static_drafter=False, **kw).generate(prompt, GREEDY)
-    static_engine = FastEngine(target, static_drafter=True, **kw)
+    config = FastConfig(require_cuda=False, max_len=128, prefill_chunk=8)
+    kw = dict(drafter=random_drafter(target), **shape)
+    eager = FastEngine(target, config=replace(config, static_drafter=False), **kw).generate(prompt, GREEDY)
+    static_engine = FastEngine(target, config=config, **kw)
     assert isinstance(static_engine.static, kind)
     got = static_engine.generate(prompt, GREEDY)
     assert got.token_ids == ref.token_ids == eager.token_ids
@@ -158,7 +162,7 @@ def test_chain_steps_on_the_device_commit_what_the_target_accepted(tiny_targets)
     def wrong_at(L):
         return (L * 7) % (k + 2)  # k + 1 and up: every draft right
 
-    engine = FastEngine(target, require_cuda=False, max_len=128, prefill_chunk=8,
+    engine = FastEngine(target, config=FastConfig(require_cuda=False, max_len=128, prefill_chunk=8),
                         drafter=random_drafter(target), k=k)
     engine.static = _OracleChain(engine.proposer.drafter, full, wrong_at, k=k, max_len=engine.max_len,
                                  cuda_graphs=False)

@@ -151,7 +151,6 @@ def test_eval_and_serve_build_the_fast_path_where_it_applies(tiny_dirs, monkeypa
     serve's --max-model-len), --reference opts out, and generate stays on the reference engine."""
     import specdec.engine.choice as choice
     import specdec.engine.fast as fast_mod
-    import specdec.engine.static_decoder as decoder_mod
     from specdec.cli import build_parser
     from specdec.commands._engine_args import build_engine
 
@@ -172,12 +171,7 @@ def test_eval_and_serve_build_the_fast_path_where_it_applies(tiny_dirs, monkeypa
     assert type(engine("eval", "--reference")) is SpeculativeEngine
     assert type(engine("serve", "--reference")) is SpeculativeEngine
     assert type(engine("generate", "--prompt", "hi")) is SpeculativeEngine
-    # --pack-weights reaches the decoder's optimize (which packs where the CUDA kernels run); off
-    # unless given.
-    packs = []
-    optimize = decoder_mod.FastDecoder.optimize
-    monkeypatch.setattr(decoder_mod.FastDecoder, "optimize",
-                        lambda self, **kw: packs.append(kw["pack"]) or optimize(self, **kw))
-    engine("eval", "--pack-weights")
-    engine("serve", "--max-model-len", "96")
-    assert packs == [True, False]
+    # --pack-weights reaches the decoder's kernel settings (it packs where the CUDA kernels run);
+    # off unless given.
+    assert engine("eval", "--pack-weights").fast.kernel_config.pack_weights
+    assert not engine("serve", "--max-model-len", "96").fast.kernel_config.pack_weights

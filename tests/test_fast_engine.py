@@ -6,7 +6,10 @@ parts (CUDA graphs, timing) are exercised by benchmarks/*.py and skipped here wi
 import pytest
 import torch
 
+from dataclasses import replace
+
 from specdec.engine.api import SamplingParams
+from specdec.engine.config import FastConfig
 from specdec.engine.engine import SpeculativeEngine
 from specdec.engine.choice import cpu_compiler, make_engine
 from specdec.engine.fast import FastEngine, _tree_mask
@@ -17,6 +20,7 @@ from specdec.engine.tree import Draft, TreeConfig
 from specdec.errors import SpecdecError
 from tests.test_engine_lossless import OracleProposer, random_drafter
 
+SHORT = FastConfig(max_len=64)
 FAST_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
@@ -25,8 +29,11 @@ def _prompt(n=11, seed=1):
     return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _fast(target, **kw):
-    return FastEngine(target, require_cuda=False, max_len=128, prefill_chunk=8, **kw)
+def _fast(target, config=FastConfig(require_cuda=False, max_len=128, prefill_chunk=8), **kw):
+    return FastEngine(target, config=config, **kw)
+
+
+COMPILED = FastConfig(require_cuda=False, max_len=128, prefill_chunk=8, compile=True)
 
 
 @pytest.mark.parametrize("arch", FAST_ARCHS)
@@ -126,7 +133,7 @@ def test_refuses_unsupported(tiny_targets):
     with pytest.raises(SpecdecError, match="CUDA"):
         FastEngine(tiny_targets["llama"])  # CPU target, require_cuda defaults to True
     # make_engine falls back to the reference engine for an fp32 CPU target or an unsupported arch.
-    assert type(make_engine(tiny_targets["llama"], ngram=3, max_len=64)) is SpeculativeEngine
+    assert type(make_engine(tiny_targets["llama"], ngram=3, config=SHORT)) is SpeculativeEngine
     assert type(make_engine(tiny_targets["deepseek_v3"])) is SpeculativeEngine
     with pytest.raises(SpecdecError, match="does not apply"):
         make_engine(tiny_targets["llama"], fast=True)
@@ -153,12 +160,13 @@ def test_cuda_graph_greedy_matches_reference_fp32(tiny_dirs):
     target = Target(model, name="tiny-llama")
     prompt = _prompt()
     ref = SpeculativeEngine(target).generate(prompt, GREEDY).token_ids
-    eng = FastEngine(target, ngram=3, k=4, max_len=128, prefill_chunk=8)
+    config = FastConfig(max_len=128, prefill_chunk=8)
+    eng = FastEngine(target, ngram=3, k=4, config=config)
     assert eng.generate(prompt, GREEDY).token_ids == ref
     # Plain and chain steps on the device (CUDA events, pinned reads, a step queued past the end).
     stop = SamplingParams(max_new_tokens=24, stop_token_ids=(ref[6],), ignore_eos=True)
     for kw in ({}, {"drafter": random_drafter(target).cuda(), "k": 3}):
-        eng = FastEngine(target, max_len=128, prefill_chunk=8, **kw)
+        eng = FastEngine(target, config=config, **kw)
         assert eng.generate(prompt, stop).token_ids == ref[: ref.index(ref[6]) + 1]
         assert eng.generate(prompt, GREEDY).token_ids == ref
 
@@ -170,11 +178,11 @@ def test_compiled_on_cpu_identical_to_reference(tiny_targets):
     target = tiny_targets["llama"]
     prompt = _prompt()
     ref = SpeculativeEngine(target).generate(prompt, GREEDY).token_ids
-    plain = _fast(target, compile=True)
+    plain = _fast(target, COMPILED)
     assert plain.fast.compiled
     assert plain.generate(prompt, GREEDY).token_ids == ref
-    eagle = _fast(target, drafter=random_drafter(target), k=3, compile=True, decoder=plain.fast,
-                  static_drafter=False)
+    eagle = _fast(target, replace(COMPILED, static_drafter=False), drafter=random_drafter(target), k=3,
+                  decoder=plain.fast)
     assert eagle.generate(prompt, GREEDY).token_ids == ref
 
 
@@ -195,25 +203,25 @@ def test_make_engine_cpu_fast_path_choice(tiny_targets, monkeypatch):
     warmed = []
     monkeypatch.setattr(FastEngine, "warmup", lambda self: warmed.append(self) or 0.0)
     bf16 = _bf16(tiny_targets["llama"])
-    assert type(make_engine(bf16, ngram=3, max_len=64)) is SpeculativeEngine  # tiny: below the threshold
+    assert type(make_engine(bf16, ngram=3, config=SHORT)) is SpeculativeEngine  # tiny: below the threshold
     assert "parameters" in fast_mod.cpu_fast_path_blocker(bf16)
     monkeypatch.setattr(fast_mod, "CPU_FAST_MIN_PARAMS", 0)
-    eng = make_engine(bf16, drafter=random_drafter(tiny_targets["llama"]).to(torch.bfloat16), k=2, max_len=64)
+    eng = make_engine(bf16, drafter=random_drafter(tiny_targets["llama"]).to(torch.bfloat16), k=2, config=SHORT)
     assert type(eng) is FastEngine and eng.fast.compiled and eng.static is None and warmed == [eng]
-    assert type(make_engine(tiny_targets["llama"], max_len=64)) is SpeculativeEngine  # fp32
+    assert type(make_engine(tiny_targets["llama"], config=SHORT)) is SpeculativeEngine  # fp32
     with monkeypatch.context() as m:
         m.setattr(fast_mod.shutil, "which", lambda name: None)
         assert "C++ compiler" in fast_mod.cpu_fast_path_blocker(bf16)
-        assert type(make_engine(bf16, max_len=64)) is SpeculativeEngine
+        assert type(make_engine(bf16, config=SHORT)) is SpeculativeEngine
 
     def broken(self):
         raise RuntimeError("InductorError: no cpp compiler")
 
     monkeypatch.setattr(FastEngine, "warmup", broken)
     with pytest.warns(UserWarning, match="CPU fast path failed to compile"):
-        assert type(make_engine(bf16, ngram=3, max_len=64)) is SpeculativeEngine
+        assert type(make_engine(bf16, ngram=3, config=SHORT)) is SpeculativeEngine
     with pytest.raises(RuntimeError, match="no cpp compiler"):
-        make_engine(bf16, fast=True, max_len=64)
+        make_engine(bf16, fast=True, config=SHORT)
 
 
 @pytest.mark.parametrize("k", (0, 3))

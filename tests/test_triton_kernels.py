@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.engine import decode_attention, gemv
+from specdec.engine.config import KernelConfig
 from specdec.engine.static_decoder import FastDecoder, causal_mask
 
 
@@ -38,12 +39,12 @@ def test_gemv_variants_match_torch(n, k):
     g = _randn(k, seed=4).abs() + 0.5
     xf, wf, rf = x.float(), w.float(), r.float()
     want = wf @ xf
-    _close(gemv.gemv(x, w)[0], want, want.abs().max())
+    _close(gemv.gemv(x, w, True)[0], want, want.abs().max())
     normed = xf * torch.rsqrt(xf.pow(2).mean() + 1e-5) * g.float()
     want = wf @ normed
-    _close(gemv.gemv_rms(x, g, w, 1e-5)[0], want, want.abs().max())
+    _close(gemv.gemv_rms(x, g, w, 1e-5, True)[0], want, want.abs().max())
     want = rf + wf @ xf
-    _close(gemv.gemv_add(x, w, r)[0], want, want.abs().max())
+    _close(gemv.gemv_add(x, w, r, True)[0], want, want.abs().max())
     wgu = _randn(2 * n, k, seed=5)  # [gate; up]
     gate, up = (wgu.float() @ normed).chunk(2)
     want = F.silu(gate) * up
@@ -52,20 +53,20 @@ def test_gemv_variants_match_torch(n, k):
 
 @pytest.mark.parametrize("t,n,k", [(2, 40, 96), (5, 259, 64), (16, 33, 200)])  # off the block sizes
 def test_rows_kernel_matches_torch(t, n, k):
-    """Steps of 2..ROWS_MAX tokens: the same ops over T rows run the rows kernel."""
+    """Steps of 2..rows_max tokens: the same ops over T rows run the rows kernel."""
     x, w, b = _randn(t, k, seed=6), _randn(n, k, seed=7), _randn(n, seed=8)
     want = x.float() @ w.float().T
-    _close(gemv.gemv(x, w), want, want.abs().max())
+    _close(gemv.gemv(x, w, True), want, want.abs().max())
     r, g = _randn(t, n, seed=9), _randn(k, seed=4).abs() + 0.5
-    _close(gemv.gemv_add(x, w, r), want + r.float(), want.abs().max())
+    _close(gemv.gemv_add(x, w, r, True), want + r.float(), want.abs().max())
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * g.float()  # each row on its own
     want_normed = normed @ w.float().T
-    _close(gemv.gemv_rms(x, g, w, 1e-5), want_normed, want_normed.abs().max())
-    # gemv_linear sends 2..ROWS_MAX rows of any leading shape there, the bias added after
-    assert gemv.few_rows(x, w)
+    _close(gemv.gemv_rms(x, g, w, 1e-5, True), want_normed, want_normed.abs().max())
+    # gemv_linear sends 2..rows_max rows of any leading shape there, the bias added after
+    assert gemv.few_rows(x, w, KernelConfig()) and not gemv.few_rows(x, w, KernelConfig(rows_max=t - 1))
     want = want + b.float()
-    _close(gemv.gemv_linear(x.view(1, t, k), w, b)[0], want, want.abs().max())
+    _close(gemv.gemv_linear(x.view(1, t, k), w, b, KernelConfig())[0], want, want.abs().max())
 
 
 def _rotate_half(x):
@@ -87,7 +88,7 @@ TREE = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0
     (8, 2, 32, 96, 27, torch.ones(8, 8).tril()), (8, 2, 32, 160, 124, torch.ones(8, 8).tril()),
     (9, 3, 64, 128, 60, TREE), (4, 2, 16, 64, 0, TREE),
 ])
-def test_step_attention_matches_softmax_attention(nh, nkv, hd, S, slot0, tm):
+def test_step_attention_matches_softmax_attention(nh, nkv, hd, S, slot0, tm, kernels=KernelConfig()):
     T = tm.shape[0]
     qkv = _randn(T, (nh + 2 * nkv) * hd, seed=slot0)  # the kernel reads (and ropes) the queries only
     angle = torch.arange(slot0, slot0 + T)[:, None] * 10000.0 ** (-torch.arange(0, hd, 2) / hd)
@@ -103,36 +104,33 @@ def test_step_attention_matches_softmax_attention(nh, nkv, hd, S, slot0, tm):
     p = torch.softmax(scores.masked_fill(~seen[:, None], float("-inf")), dim=-1)
     want = torch.einsum("ths,hsd->thd", p, vals).reshape(T, nh * hd)
     out = decode_attention.decode_attention(qkv, cos, sin, kv, torch.arange(slot0, slot0 + T, device=DEV),
-                                            tm.to(DEV, torch.int64), nh, hd**-0.5)
+                                            tm.to(DEV, torch.int64), nh, hd**-0.5,
+                                            *decode_attention.settings(kernels, T))
     _close(out, want, want.abs().max())  # a mask that lets a token see later ones is ~0.3-1 off
     assert torch.isnan(kv[:, :, slot0 + T :]).all()  # untouched
 
 
 @pytest.mark.parametrize("block", [64, 128])
-def test_step_attention_with_larger_blocks_for_steps(block, monkeypatch):
+def test_step_attention_with_larger_blocks_for_steps(block):
     # Steps of more than one token split the cache into blocks of their own (benchmarks' sbs=N).
-    monkeypatch.setattr(decode_attention, "STEP_BLOCK_S", block)
-    test_step_attention_matches_softmax_attention(8, 2, 32, 160, 124, torch.ones(8, 8).tril())
-    test_step_attention_matches_softmax_attention(9, 3, 64, 192, 60, TREE)
+    kernels = KernelConfig(attention_step_block=block)
+    assert decode_attention.settings(kernels, 8)[0] == block and decode_attention.settings(kernels, 1)[0] == 32
+    test_step_attention_matches_softmax_attention(8, 2, 32, 160, 124, torch.ones(8, 8).tril(), kernels)
+    test_step_attention_matches_softmax_attention(9, 3, 64, 192, 60, TREE, kernels)
 
 
-def test_kernel_knobs_key_the_compile_cache(monkeypatch):
-    # A knob read only inside a Triton op's body must change inductor's cache key, or a variant
-    # compiled after it is served the graph compiled before it.
-    import torch.compiler
+def test_kernel_steps_build_configs_and_tag_results():
+    # A benchmark plan's setting steps make a new config for the variants after them (no module
+    # constant changes) and tag their results while they differ from the shipped settings.
+    from specdec.bench.roofline import kernel_step
 
-    from specdec.bench import roofline
-
-    monkeypatch.setattr(decode_attention, "STEP_BLOCK_S", decode_attention.STEP_BLOCK_S)
-    # The config's own patch, not monkeypatch: monkeypatch finds no such attribute in the config
-    # module's __dict__ and deletes it on undo, and every later compile in the process then fails.
-    with torch.compiler.config.patch(cache_key_tag=""):
-        tags: dict = {}
-        assert roofline.apply_knob("sbs=64", tags) and decode_attention.STEP_BLOCK_S == 64
-        assert tags == {"sbs": "@sbs64"} and torch.compiler.config.cache_key_tag == "@sbs64"
-        shipped = roofline._SHIPPED["sbs"]
-        assert roofline.apply_knob(f"sbs={shipped}", tags) and torch.compiler.config.cache_key_tag == ""
-        assert not roofline.apply_knob("check", tags)
+    shipped, tags = KernelConfig(), {}
+    wide = kernel_step("sbs=64", shipped, tags)
+    assert wide.attention_step_block == 64 and shipped.attention_step_block == 32 and tags == {"sbs": "@sbs64"}
+    assert kernel_step("glu=0", wide, tags).glu_fold_max_bytes == 0 and tags["glu"] == "@glu0"
+    back = kernel_step("sbs=32", wide, tags)
+    assert back == shipped and tags["sbs"] == ""
+    assert kernel_step("check", shipped, tags) is None and kernel_step("nope=1", shipped, tags) is None
 
 
 def test_split_argmax_matches_argmax():
@@ -202,6 +200,7 @@ def test_engine_trees_through_the_kernels(tiny_targets, monkeypatch):
     rows kernel, the attention kernels under tree masks, then cache compaction) give the plain
     greedy output of the same kernels, token for token."""
     from specdec.engine.api import SamplingParams
+    from specdec.engine.config import FastConfig
     from specdec.engine.fast import FastEngine
     from specdec.engine.tree import TreeConfig
     from specdec.models.target import Target
@@ -213,7 +212,8 @@ def test_engine_trees_through_the_kernels(tiny_targets, monkeypatch):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
 
     def engine(**kw):
-        eng = FastEngine(target, require_cuda=False, compile=False, max_len=64, prefill_chunk=8, **kw)
+        eng = FastEngine(target, config=FastConfig(require_cuda=False, compile=False, max_len=64, prefill_chunk=8),
+                         **kw)
         eng.fast.optimize(compile=False, cuda_graphs=False, gemv=True)
         return eng
 
@@ -243,23 +243,26 @@ def test_packed_weights_match_row_major(t):
     assert (gemv.out_features(p), gemv.in_features(p)) == (n, k)
     xf = x.float()
     want = xf @ w.float().T
-    _close(gemv.gemv(x, p), want, want.abs().max())
-    _close(gemv.gemv_add(x, p, r), want + r.float(), want.abs().max())
+    _close(gemv.gemv(x, p, True), want, want.abs().max())
+    _close(gemv.gemv_add(x, p, r, True), want + r.float(), want.abs().max())
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * g.float()
     want = normed @ w.float().T
-    _close(gemv.gemv_rms(x, g, p, 1e-5), want, want.abs().max())
-    many = _randn(gemv.ROWS_MAX + 3, k, seed=15)
+    _close(gemv.gemv_rms(x, g, p, 1e-5, True), want, want.abs().max())
+    kernels = KernelConfig()
+    many = _randn(kernels.rows_max + 3, k, seed=15)
     want = many.float() @ w.float().T
-    assert not gemv.few_rows(many, p)
-    _close(gemv.gemv_linear(many, p), want, want.abs().max())
+    assert not gemv.few_rows(many, p, kernels)
+    _close(gemv.gemv_linear(many, p, None, kernels), want, want.abs().max())
 
 
 def test_pack_layout_by_size_and_shape():
-    assert gemv.pack_layout(28672, 4096, 235 << 20) == (128, 256)  # Llama-3.1-8B's gate/up
-    assert gemv.pack_layout(4096, 14336, 117 << 20) == (32, 512)  # its down
-    assert gemv.pack_layout(6144, 4096, 50 << 20) == (64, 256)  # its q/k/v
-    assert gemv.pack_layout(1152, 576, 1 << 20) is None  # SmolLM2's: under the size
-    assert gemv.pack_layout(6144, 4000, 50 << 20) is None  # blocks that do not divide it
+    least = KernelConfig().pack_min_bytes
+    assert gemv.pack_layout(28672, 4096, 235 << 20, least) == (128, 256)  # Llama-3.1-8B's gate/up
+    assert gemv.pack_layout(4096, 14336, 117 << 20, least) == (32, 512)  # its down
+    assert gemv.pack_layout(6144, 4096, 50 << 20, least) == (64, 256)  # its q/k/v
+    assert gemv.pack_layout(1152, 576, 1 << 20, least) is None  # SmolLM2's: under the size
+    assert gemv.pack_layout(1152, 576, 1 << 20, 1 << 20) is None  # blocks that do not divide it
+    assert gemv.pack_layout(6144, 4000, 50 << 20, least) is None
 
 
 def test_steps_with_packed_weights_match_row_major(tiny_targets, monkeypatch):
@@ -269,7 +272,7 @@ def test_steps_with_packed_weights_match_row_major(tiny_targets, monkeypatch):
     from specdec.engine import static_layers
 
     model = copy.deepcopy(tiny_targets["llama"].model).to(DEV, torch.bfloat16)
-    wide = gemv.ROWS_MAX + 2
+    wide = KernelConfig().rows_max + 2
     ids = torch.randint(0, 250, (12 + wide,), generator=torch.Generator().manual_seed(5)).tolist()
     unpacked = []
     unpack = gemv.unpack
@@ -277,16 +280,13 @@ def test_steps_with_packed_weights_match_row_major(tiny_targets, monkeypatch):
     row_major = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
     before = [p.clone() for p in model.parameters()]
     monkeypatch.setattr(static_layers, "pack_layout",
-                        lambda n, k, nbytes: (16, 32) if n % 16 == 0 and k % 32 == 0 else None)
-    # Off unless asked (a second copy of the weights): by the switch, or by optimize's pack=True.
-    assert not gemv.PACK_WEIGHTS
+                        lambda n, k, nbytes, least: (16, 32) if n % 16 == 0 and k % 32 == 0 else None)
+    # Off unless asked (a second copy of the weights).
+    assert not KernelConfig().pack_weights
     off = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
     assert all(a.dim() < 4 for args in off._layer_args for a in args if a is not None)
-    monkeypatch.setattr(gemv, "PACK_WEIGHTS", True)
-    on = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True)
-    assert sum(a.dim() == 4 for args in on._layer_args for a in args if a is not None) == 4 * len(on.layers)
-    monkeypatch.setattr(gemv, "PACK_WEIGHTS", False)
-    packed = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True, pack=True)
+    packed = FastDecoder(model, max_len=64, pad=32).optimize(compile=False, cuda_graphs=False, gemv=True,
+                                                             kernel_config=KernelConfig(pack_weights=True))
     assert sum(a.dim() == 4 for args in packed._layer_args for a in args if a is not None) == 4 * len(packed.layers)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
     for dec in (row_major, packed):
@@ -319,7 +319,7 @@ def test_drafter_chain_through_the_kernels_matches_the_modules(tiny_targets, k, 
         for name, p in drafter.named_parameters():
             if "norm" in name:
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-    assert applies(drafter, k + 1)
+    assert applies(drafter, k + 1, KernelConfig())
     calls = {"attention": 0}
 
     def counted(*a, real=decode_attention.decode_attention):

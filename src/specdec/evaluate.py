@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from .errors import SpecdecError
@@ -45,8 +46,8 @@ def _plain_like(engine):
     except Exception:  # the fast path's imports are optional for the reference engine
         FastEngine = None
     if FastEngine is not None and isinstance(engine, FastEngine):
-        return FastEngine(engine.target, k=engine.k, decoder=engine.fast, max_len=engine.max_len,
-                          prefill_chunk=engine.prefill_chunk, require_cuda=False)
+        return FastEngine(engine.target, k=engine.k, decoder=engine.fast,
+                          config=replace(engine.config, max_len=engine.max_len, require_cuda=False))
     from .engine.engine import SpeculativeEngine
 
     return SpeculativeEngine(engine.target, k=engine.k)

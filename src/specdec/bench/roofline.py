@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from ..engine.config import STEPS, KernelConfig
+
 
 def device_info() -> dict:
     """Where and with what a figure was measured."""
@@ -212,37 +214,14 @@ def randomize_cache(dec, seed: int = 0) -> None:
         t.normal_(generator=g)
 
 
-# Plan steps of benchmarks/roofline_8b.py and smollm2.py that set one of the fast path's kernel
-# constants for the variants after them; the name tags their results.
-KNOBS = {
-    "glu": ("gemv", "GLU_FOLD_MAX_BYTES", lambda v: 1 << 62 if v else 0),  # glu=1: always fold
-    "bs": ("decode_attention", "BLOCK_S", int),  # cache slots per attention split program
-    "rows": ("gemv", "ROWS_MAX", int),  # steps of 2..N tokens through the rows kernel (0: cuBLAS)
-    "rowsfold": ("gemv", "ROWS_FOLD", bool),  # norms and residual adds folded into the rows kernel
-    "att": ("decode_attention", "MAX_ROWS", int),  # attention kernels up to N query rows (0: never)
-    "sbs": ("decode_attention", "STEP_BLOCK_S", int),  # cache slots per split program, steps of > 1 token
-    "rowscfg": ("gemv", "ROWS_MORE_CONFIGS", bool),  # the rows kernel's autotuner tries _ROWS_MORE too
-    "pack": ("gemv", "PACK_WEIGHTS", bool),  # pack=1: weights of gemv.PACK_MIN_BYTES and more packed
-}
-_SHIPPED: dict[str, object] = {}  # each constant's value before the first knob step changed it
-
-
-def apply_knob(step: str, tags: dict) -> bool:
-    """If `step` is NAME=VALUE for a name in KNOBS, set that constant and record its tag in `tags`
-    (empty at the shipped value); returns whether it was a knob. Variants compiled after it see it."""
-    import importlib
-
-    name, eq, value = step.partition("=")
-    if not eq or name not in KNOBS:
-        return False
-    module, attr, convert = KNOBS[name]
-    mod = importlib.import_module(f"specdec.engine.{module}")
-    shipped = _SHIPPED.setdefault(name, getattr(mod, attr))
-    v = convert(int(value))
-    setattr(mod, attr, v)
-    tags[name] = "" if v == shipped else f"@{name}{value}"
-    # Some knobs are read only inside a Triton op's body (a block size, the autotuner's configs), where
-    # inductor's graph cache does not see them: without its key changing, a variant compiled after
-    # the knob was served the graph compiled before it.
-    torch.compiler.config.cache_key_tag = "".join(tags.values())
-    return True
+def kernel_step(step: str, kernels: KernelConfig, tags: dict) -> KernelConfig | None:
+    """If `step` is a plan step NAME=VALUE that sets a kernel setting (engine.config.STEPS),
+    `kernels` with it applied and its tag recorded in `tags` (empty at the shipped value), for
+    the variants built after it; None for any other step."""
+    changed = kernels.with_step(step)
+    if changed is None:
+        return None
+    name, _, value = step.partition("=")
+    field = STEPS[name][0]
+    tags[name] = "" if getattr(changed, field) == getattr(KernelConfig(), field) else f"@{name}{value}"
+    return changed

@@ -24,13 +24,14 @@ from __future__ import annotations
 import gzip
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..engine.api import SamplingParams
+from ..engine.config import FastConfig
 from ..errors import SpecdecError
 
 
@@ -242,12 +243,11 @@ def run_bench(
     fast: bool | None = None,
     hf: bool = True,
     assistant=None,
-    static_drafter: bool = True,
-    pack_weights: bool | None = None,
+    config: FastConfig = FastConfig(),
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """Time every method over `prompts`; returns {"rows": [...], "fast": bool, ...}. The fast
-    engines share one decoder: `pack_weights` (FastEngine's) applies to every row."""
+    engines share one decoder, built with `config` (its max_len is set here)."""
     from ..engine.choice import engine_kind, make_engine
     from ..engine.static_decoder import FastDecoder
     from ..engine.static_layers import round_up
@@ -257,14 +257,15 @@ def run_bench(
     longest = max(len(p) for p in prompts)
     max_len = round_up(longest + max_new_tokens + 8, 256)
     rows: list[Row] = []
-    plain_engine = make_engine(target, fast=fast, max_len=max_len, pack_weights=pack_weights)
+    config = replace(config, max_len=max_len)
+    plain_engine = make_engine(target, fast=fast, config=config)
     kind = engine_kind(plain_engine)
     use_fast = kind == "fast"
     decoder: FastDecoder | None = plain_engine.fast if use_fast else None
 
     def engine(**kw):
         if use_fast:
-            return make_engine(target, fast=True, max_len=max_len, decoder=decoder, static_drafter=static_drafter, **kw)
+            return make_engine(target, fast=True, decoder=decoder, config=config, **kw)
         return make_engine(target, fast=False, **kw)
 
     def warm(e):

@@ -38,6 +38,13 @@ def add_pack_weights_arg(p) -> None:
                         "larger when verifying several tokens than at one")
 
 
+def kernel_config(args):
+    """The fast path's kernel settings the command line chose."""
+    from ..engine.config import KernelConfig
+
+    return KernelConfig(pack_weights=args.pack_weights)
+
+
 def tree_config(args):
     from ..engine.tree import TreeConfig
 
@@ -75,6 +82,8 @@ def build_engine(args, target=None, *, max_len: int | None = None, fault=None):
         return target, SpeculativeEngine(target, drafter=drafter, ngram=args.ngram, k=args.k, tree=tree)
     from ..engine.choice import make_engine
 
+    from ..engine.config import FastConfig
+
     engine = make_engine(target, fast=False if args.reference else None, drafter=drafter, ngram=args.ngram,
-                         k=args.k, tree=tree, max_len=max_len, pack_weights=args.pack_weights)
+                         k=args.k, tree=tree, config=FastConfig(max_len=max_len, kernels=kernel_config(args)))
     return target, engine

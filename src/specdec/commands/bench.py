@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from ._engine_args import add_pack_weights_arg
+from ..engine.config import FastConfig
+from ._engine_args import add_pack_weights_arg, kernel_config
 
 DESCRIPTION = """\
 Time the same chat prompts through: HF generate (greedy), HF prompt lookup
@@ -140,7 +141,7 @@ def run(args) -> int:
         target, prompts, max_new_tokens=args.max_new_tokens, drafter=drafter, ngram=args.ngram,
         ngram_k=args.ngram_k, prompt_lookup_tokens=args.prompt_lookup_tokens, ks=ks, tree=tree,
         fast=False if args.reference else None, hf=not args.no_hf, assistant=assistant,
-        static_drafter=not args.eager_drafter, pack_weights=args.pack_weights, progress=say,
+        config=FastConfig(static_drafter=not args.eager_drafter, kernels=kernel_config(args)), progress=say,
     )
     result.update(target=args.target, drafter=args.drafter, assistant=args.assistant, prompt_source=args.prompts,
                   dtype=str(target.dtype).replace("torch.", ""), env=device_info())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -14,6 +15,7 @@ from ..errors import SpecdecError
 from ..models.target import Target
 from .engine import SpeculativeEngine
 
+from .config import FastConfig
 from .fast import FastEngine
 from .static_layers import check_supported
 
@@ -48,11 +50,12 @@ def engine_kind(engine) -> str:
     return "fast" if isinstance(engine, FastEngine) else "reference"
 
 
-def make_engine(target: Target, *, fast: bool | None = None, **kwargs) -> SpeculativeEngine:
+def make_engine(target: Target, *, fast: bool | None = None, drafter=None, ngram: int | None = None, k: int = 5,
+                tree=None, proposer=None, decoder=None, config: FastConfig = FastConfig()) -> SpeculativeEngine:
     """The fast engine when the target is a supported architecture on a CUDA GPU, or in bf16 on a
     CPU (compiled, see `cpu_fast_path_blocker`), else the reference engine (`fast=True` makes a
-    fallback an error; `fast=False` forces the reference). Keyword arguments the reference engine
-    does not take are dropped for it."""
+    fallback an error; `fast=False` forces the reference). `decoder` and `config` are the fast
+    engine's (FastEngine); the reference engine takes the rest."""
     reason = None
     on_cpu = target.device.type == "cpu"
     if fast is not False:
@@ -60,21 +63,22 @@ def make_engine(target: Target, *, fast: bool | None = None, **kwargs) -> Specul
             reason = f"the target is on {target.device}"
         else:
             try:
-                check_supported(target.config, kwargs.get("max_len"))
+                check_supported(target.config, config.max_len)
             except SpecdecError as e:
                 reason = str(e)
             if reason is None and on_cpu:
                 reason = cpu_fast_path_blocker(target)
-    ref_kw = {k: v for k, v in kwargs.items() if k in ("drafter", "ngram", "k", "tree", "proposer")}
+    common = dict(drafter=drafter, ngram=ngram, k=k, tree=tree, proposer=proposer)
     if fast is False or reason is not None:
         if fast is True:
             raise SpecdecError(f"the fast path does not apply: {reason}")
-        return SpeculativeEngine(target, **ref_kw)
+        return SpeculativeEngine(target, **common)
     if not on_cpu:
-        return FastEngine(target, **kwargs)
+        return FastEngine(target, decoder=decoder, config=config, **common)
     # On a CPU the eager proposer drafts: StaticChainDrafter compiled without CUDA graphs gains
     # nothing consistent over it (benchmarks/cpu_fast_path.py) and costs a compile.
-    engine = FastEngine(target, **{**kwargs, "require_cuda": False, "compile": True, "static_drafter": False})
+    cpu = replace(config, require_cuda=False, compile=True, static_drafter=False)
+    engine = FastEngine(target, decoder=decoder, config=cpu, **common)
     try:
         engine.warmup()  # compiles now, so a missing toolchain shows here and not mid-generation
     except Exception as e:
@@ -82,5 +86,5 @@ def make_engine(target: Target, *, fast: bool | None = None, **kwargs) -> Specul
             raise
         warnings.warn(f"the CPU fast path failed to compile ({type(e).__name__}: {str(e)[:200]}); "
                       "using the reference engine", stacklevel=2)
-        return SpeculativeEngine(target, **ref_kw)
+        return SpeculativeEngine(target, **common)
     return engine

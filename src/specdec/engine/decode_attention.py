@@ -1,5 +1,6 @@
 """Attention of a step's few tokens on CUDA as two Triton kernels: the fast path's one-token decode
-step, and verify steps whose query rows (tokens x query heads per kv head) fit in MAX_ROWS.
+step, and verify steps whose query rows (tokens x query heads per kv head) fit in
+KernelConfig.attention_max_rows.
 
 Written with the compiled step's ops, a layer's attention is rope on the queries, q @ K^T over the
 whole static cache, mask + softmax and p @ V: kernels of a few microseconds each, whose launches
@@ -7,7 +8,7 @@ and gaps in the CUDA graph cost as much as their work, and q @ K^T reads every s
 Here, after the step has roped the tokens' keys and written keys and values into the cache (one
 kernel: the caches of a layer are one tensor [2, kv heads, slots, head size]):
 
-    split kernel    grid (kv heads, cache blocks of BLOCK_S slots). Every program takes the G query
+    split kernel    grid (kv heads, cache blocks of `block` slots). Every program takes the G query
                     heads of its kv head for each of the T tokens (G*T rows, padded to at least 16
                     so both products run on tensor cores), ropes them from the q/k/v product's
                     output as HF does (each product rounded to the model's dtype), scores them
@@ -32,18 +33,7 @@ from __future__ import annotations
 import torch
 
 from .gemv import runs_on, triton
-
-BLOCK_S = 32  # cache slots per split program: 1,152 slots x 8 kv heads = 288 programs on 8B shapes
-# Cache slots per split program for steps of more than one token. At 8 tokens on 8B shapes the
-# fp32 partials are as many bytes as the live cache, but fewer, larger blocks did not pay: the
-# split kernel is bound by latency, not bytes. benchmarks/roofline_8b.py's sbs=N steps set it.
-STEP_BLOCK_S = 32
-COMBINE_CHUNK = 32  # partials summed per pass of the combine kernel
-# Query rows per split program, tokens x query heads per kv head: a verify step of 8 tokens on
-# Llama-3 shapes (G = 4) has 32. Larger steps (16 tokens there, trees, prefill chunks) keep the
-# compiled attention, whose products suit many rows: on 8B shapes these kernels beat it at 8 tokens
-# (32 rows) and lose to it at 16 (64 rows).
-MAX_ROWS = 32
+from .config import KernelConfig
 
 if triton is not None:
     import triton.language as tl
@@ -125,35 +115,45 @@ if triton is not None:
 
     @triton_op("specdec::decode_attention", mutates_args={})
     def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-                         slots: torch.Tensor, tm: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+                         slots: torch.Tensor, tm: torch.Tensor, heads: int, scale: float, block: int,
+                         chunk: int) -> torch.Tensor:
         """Attention of a step's T tokens over the cache. qkv [T, >= heads * hd] holds their queries,
         not yet roped, in its first heads * hd columns (contiguous); cos/sin [T, hd] their rope rows;
         kv [2, kv heads, S, hd] the caches, holding every slot before slots[0] and the step's T
         keys (roped) and values from slots[0] on; tm [T, T] the tree mask (nonzero: token t sees
-        the step's token c; the lower triangle for a chain). Returns [T, heads * hd] in qkv's dtype."""
+        the step's token c; the lower triangle for a chain); `block` cache slots per split program
+        and `chunk` partials per combine pass (`settings`). Returns [T, heads * hd] in qkv's dtype."""
         T = qkv.shape[0]
         _, nkv, S, hd = kv.shape
         g = heads // nkv
-        bs = BLOCK_S if T == 1 else STEP_BLOCK_S
-        nsplit = triton.cdiv(S, bs)
+        nsplit = triton.cdiv(S, block)
         po = torch.empty(T * heads, nsplit, hd, device=qkv.device, dtype=torch.float32)
         pm = torch.empty(T * heads, nsplit, device=qkv.device, dtype=torch.float32)
         pl = torch.empty_like(pm)
         out = torch.empty(T, heads * hd, device=qkv.device, dtype=qkv.dtype)
         wrap_triton(_split_kernel)[(nkv, nsplit)](
             qkv, cos, sin, kv, slots, tm, po, pm, pl, qkv.stride(0), nkv * S * hd, S, nsplit, scale,
-            T=T, HEADS=heads, HD=hd, G=g, GP=max(16, triton.next_power_of_2(g * T)), BLOCK_S=bs,
+            T=T, HEADS=heads, HD=hd, G=g, GP=max(16, triton.next_power_of_2(g * T)), BLOCK_S=block,
             UPCAST=not qkv.is_cuda, num_warps=4)
         wrap_triton(_combine_kernel)[(T * heads,)](
-            po, pm, pl, out, slots, nsplit, T=T, BLOCK_S=bs, HD=hd, SP=triton.next_power_of_2(nsplit),
-            CHUNK=COMBINE_CHUNK, num_warps=4)
+            po, pm, pl, out, slots, nsplit, T=T, BLOCK_S=block, HD=hd, SP=triton.next_power_of_2(nsplit),
+            CHUNK=chunk, num_warps=4)
         return out
 
 
-def fits(qkv: torch.Tensor, kv: torch.Tensor, heads: int) -> bool:
-    """Whether the kernels apply: bf16/fp16 tokens where Triton runs, at most MAX_ROWS query rows per
-    kv head, a head size that is a power of two of at least 16 (tensor-core tiles), caches of the
-    tokens' dtype. Shapes, dtypes and devices only, so under torch.compile it resolves while tracing."""
+def settings(kernels: KernelConfig, tokens: int) -> tuple[int, int]:
+    """The op's (block, chunk) for a step of `tokens` tokens. Arguments of the op rather than
+    constants its body reads, so they key torch.compile's graph cache."""
+    block = kernels.attention_block if tokens == 1 else kernels.attention_step_block
+    return block, kernels.attention_combine_chunk
+
+
+def fits(qkv: torch.Tensor, kv: torch.Tensor, heads: int, kernels: KernelConfig) -> bool:
+    """Whether the kernels apply: bf16/fp16 tokens where Triton runs, at most
+    kernels.attention_max_rows query rows per kv head, a head size that is a power of two of at
+    least 16 (tensor-core tiles), caches of the tokens' dtype. Shapes, dtypes and devices only, so
+    under torch.compile it resolves while tracing."""
     hd, nkv = kv.shape[-1], kv.shape[1]
-    return (runs_on(qkv) and (heads // nkv) * qkv.shape[0] <= MAX_ROWS and kv.dtype == qkv.dtype
-            and qkv.is_contiguous() and kv.is_contiguous() and hd >= 16 and hd & (hd - 1) == 0)
+    return (runs_on(qkv) and (heads // nkv) * qkv.shape[0] <= kernels.attention_max_rows
+            and kv.dtype == qkv.dtype and qkv.is_contiguous() and kv.is_contiguous() and hd >= 16
+            and hd & (hd - 1) == 0)

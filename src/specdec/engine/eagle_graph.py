@@ -24,6 +24,7 @@ import torch
 
 from ..models.drafter import Eagle3Drafter, small_query_attention
 from .eagle_kernels import KernelLayer, applies
+from .config import KernelConfig
 from .tree import Draft, TreeConfig
 
 
@@ -32,11 +33,13 @@ class _StaticDrafter:
     drafting step (`_draft`) and `propose`. A commit carries up to `k + 1` positions."""
 
     def __init__(self, drafter: Eagle3Drafter, *, k: int, max_len: int, scratch: int,
-                 cuda_graphs: bool | None = None, compile: bool = False, kernels: bool = False):
+                 cuda_graphs: bool | None = None, compile: bool = False, kernels: bool = False,
+                 kernel_config: KernelConfig = KernelConfig()):
         """`compile`: fuse each step with inductor before capturing it. Captured as they are, the
         steps are ~14 small kernels per drafted token (norms, rotary, the attention's mask), and
         on a 135M target a drafting round then costs more than the target's verify step.
-        `kernels`: the layer runs on the fast path's Triton kernels (eagle_kernels.py; chains only).
+        `kernels`: the layer runs on the fast path's Triton kernels (eagle_kernels.py; chains only),
+        with `kernel_config`'s settings.
         `scratch`: cache slots past max_len that a round's drafts write."""
         d = drafter
         p = d.lm_head.weight
@@ -48,7 +51,7 @@ class _StaticDrafter:
         # Keys and values in one tensor [2, kv heads, slots, head size], the layout the kernels read.
         kv = torch.zeros(2, cfg.num_key_value_heads, self.size, cfg.head_dim, device=dev, dtype=dt)
         self.kc, self.vc = kv[0:1], kv[1:2]
-        self.kernel_layer = KernelLayer(d, kv) if kernels else None
+        self.kernel_layer = KernelLayer(d, kv, kernel_config) if kernels else None
         self.causal = torch.ones(k + 1, k + 1, dtype=torch.long, device=dev).tril()  # the kernels' step mask
         self.slots = torch.arange(self.size, device=dev)
         self.rows = torch.arange(k + 1, device=dev)
@@ -209,12 +212,13 @@ class StaticChainDrafter(_StaticDrafter):
     commit, drafts and verify back to back and the host reads once, after the verify."""
 
     def __init__(self, drafter: Eagle3Drafter, *, k: int, max_len: int, cuda_graphs: bool | None = None,
-                 compile: bool = False, kernels: bool | None = None):
+                 compile: bool = False, kernels: bool | None = None,
+                 kernel_config: KernelConfig = KernelConfig()):
         """`kernels` (None: on a GPU where they apply, eagle_kernels.applies)."""
         if kernels is None:
-            kernels = drafter.lm_head.weight.is_cuda and applies(drafter, k + 1)
+            kernels = drafter.lm_head.weight.is_cuda and applies(drafter, k + 1, kernel_config)
         super().__init__(drafter, k=k, max_len=max_len, scratch=k + 1, cuda_graphs=cuda_graphs, compile=compile,
-                         kernels=kernels)
+                         kernels=kernels, kernel_config=kernel_config)
         self.drafts = torch.zeros(k, dtype=torch.long, device=self.kc.device)
 
     def _draft(self) -> None:

@@ -22,10 +22,11 @@ import torch.nn.functional as F
 
 from ..models.drafter import Eagle3Drafter
 from . import decode_attention, gemv
+from .config import KernelConfig
 from .layer_math import rms_norm, rotate_half
 
 
-def applies(drafter: Eagle3Drafter, rows: int) -> bool:
+def applies(drafter: Eagle3Drafter, rows: int, kernels: KernelConfig) -> bool:
     """Whether the kernels can take this drafter for steps of up to `rows` tokens: a bf16/fp16
     drafter where Triton runs (gemv.runs_on), a head size and query rows decode_attention takes, the plain fc
     (the gpt-oss-style norms before fc stay on the compiled layer)."""
@@ -33,23 +34,16 @@ def applies(drafter: Eagle3Drafter, rows: int) -> bool:
     w = drafter.lm_head.weight
     hd, nkv = cfg.head_dim, cfg.num_key_value_heads
     g = cfg.num_attention_heads // nkv
-    return (gemv.runs_on(w) and hd >= 16 and hd & (hd - 1) == 0 and g * rows <= decode_attention.MAX_ROWS
-            and rows <= gemv.ROWS_MAX and drafter.input_norm is None and drafter.fc_norm is None)
-
-
-def _norm_linear(x, g, eps, w):
-    return gemv.rms_linear(x, g, eps, w) if gemv.folds(x, w) else gemv.gemv_linear(rms_norm(x, g, eps), w)
-
-
-def _add_linear(residual, x, w):
-    return gemv.linear_add(x, w, residual) if gemv.folds(x, w) else residual + gemv.gemv_linear(x, w)
+    return (gemv.runs_on(w) and hd >= 16 and hd & (hd - 1) == 0 and g * rows <= kernels.attention_max_rows
+            and rows <= kernels.rows_max and drafter.input_norm is None and drafter.fc_norm is None)
 
 
 class KernelLayer:
     """The drafter's layer over a chain step; `kv` [2, kv heads, slots, head size] is its cache."""
 
-    def __init__(self, drafter: Eagle3Drafter, kv: torch.Tensor):
+    def __init__(self, drafter: Eagle3Drafter, kv: torch.Tensor, kernels: KernelConfig):
         d, cfg = drafter, drafter.cfg
+        self.kernels = kernels
         m, a = d.midlayer, d.midlayer.self_attn
         with torch.no_grad():
             self.embed = d.embed_tokens.weight
@@ -70,6 +64,17 @@ class KernelLayer:
         self.eps = cfg.rms_norm_eps
         self.norm_before_residual, self.norm_output = cfg.norm_before_residual, cfg.norm_output
 
+    def _linear(self, x, w):
+        return gemv.gemv_linear(x, w, None, self.kernels)
+
+    def _norm_linear(self, x, g, w):
+        k, eps = self.kernels, self.eps
+        return gemv.rms_linear(x, g, eps, w, k) if gemv.folds(x, w, k) else self._linear(rms_norm(x, g, eps), w)
+
+    def _add_linear(self, residual, x, w):
+        k = self.kernels
+        return gemv.linear_add(x, w, residual, k) if gemv.folds(x, w, k) else residual + self._linear(x, w)
+
     def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, tm: torch.Tensor,
                  aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [1, T], hidden [1, T, 3tH] (aux: the target's states) or [1, T, H] (recycled), pos [T]
@@ -79,24 +84,25 @@ class KernelLayer:
         nh, nkv, hd, eps = self.heads, self.kv_heads, self.head_dim, self.eps
         h = hidden[0]
         if aux:
-            h = gemv.gemv_linear(h, self.fc)
+            h = self._linear(h, self.fc)
         normed = rms_norm(h, self.ln_hidden, eps)
         residual = normed if self.norm_before_residual else h
         x = torch.cat([rms_norm(F.embedding(ids[0], self.embed), self.ln_in, eps), normed], dim=-1)
-        qkv = gemv.gemv_linear(x, self.wqkv)  # shape: [T, (nh + 2 nkv) hd]
+        qkv = self._linear(x, self.wqkv)  # shape: [T, (nh + 2 nkv) hd]
         _, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         cos, sin = self.cos[pos], self.sin[pos]
         k = k.view(T, nkv, hd)
         k = k * cos[:, None] + rotate_half(k) * sin[:, None]
         self.kv[:, :, pos] = torch.stack((k, v.view(T, nkv, hd))).transpose(1, 2)
-        att = decode_attention.decode_attention(qkv, cos, sin, self.kv, pos, tm, nh, hd**-0.5)  # ropes q
-        h = _add_linear(residual, att, self.wo)
-        if gemv.fused_one_token(h, self.wgu) and gemv.folds_glu(self.wgu):
+        block, chunk = decode_attention.settings(self.kernels, T)  # the op ropes q:
+        att = decode_attention.decode_attention(qkv, cos, sin, self.kv, pos, tm, nh, hd**-0.5, block, chunk)
+        h = self._add_linear(residual, att, self.wo)
+        if gemv.fused_one_token(h, self.wgu) and gemv.folds_glu(self.wgu, self.kernels):
             act = gemv.rms_glu_linear(h, self.ln2, eps, self.wgu)
         else:
-            gate, up = _norm_linear(h, self.ln2, eps, self.wgu).chunk(2, dim=-1)
+            gate, up = self._norm_linear(h, self.ln2, self.wgu).chunk(2, dim=-1)
             act = F.silu(gate) * up
-        h = _add_linear(h, act, self.wd)
-        logits = _norm_linear(h, self.norm_w, eps, self.lm_w)
+        h = self._add_linear(h, act, self.wd)
+        logits = self._norm_linear(h, self.norm_w, self.lm_w)
         out = rms_norm(h, self.norm_w, eps) if self.norm_output else h
         return out[None], logits[None]

@@ -23,6 +23,7 @@ import torch
 from ..errors import SpecdecError
 from ..models.target import Target
 from .api import SamplingParams, StepOutput
+from .config import FastConfig
 from .eagle import Eagle3Proposer
 from .eagle_graph import StaticChainDrafter, StaticTreeDrafter
 from .engine import PlainProposer, Rows, SpeculativeEngine, accept, step_output
@@ -50,54 +51,36 @@ class FastEngine(SpeculativeEngine):
         k: int = 5,
         tree: TreeConfig | None = None,
         proposer=None,
-        max_len: int | None = None,
-        prefill_chunk: int = 32,
-        compile: bool | None = None,
-        cuda_graphs: bool = True,
-        mode: str | None = None,
-        coordinate_descent: bool | None = None,
-        require_cuda: bool = True,
         decoder: FastDecoder | None = None,
-        static_drafter: bool = True,
-        pack_weights: bool | None = None,
-        drafter_kernels: bool | None = None,
-        steps_on_device: bool = True,
+        config: FastConfig = FastConfig(),
     ):
         """`decoder`: reuse another FastEngine's decoder (same target): its weights, cache and
-        captured buckets are shared, so only new bucket sizes compile. `static_drafter`: greedy
-        EAGLE-3 chains and trees draft with `StaticChainDrafter` / `StaticTreeDrafter` (compiled
-        and in CUDA graphs on a GPU: a round many times faster than eager, same drafts;
-        benchmarks/drafter_step.py); False keeps the eager proposer (sampling always
-        uses it). `compile`: inductor on the decoder's steps (default: on a CUDA GPU only; True
-        compiles on a CPU too, as `make_engine`'s CPU fast path does). `pack_weights`: a packed
-        second copy of the large products' weights for the kernels (`FastDecoder.optimize`'s `pack`;
-        None: gemv.PACK_WEIGHTS, off). `drafter_kernels`: a static chain drafter's layer on the
-        Triton kernels (eagle_kernels.py; None: on a GPU where they apply). `steps_on_device`: greedy
-        plain steps and such a drafter's chain steps compute their next input on the device and the
-        host reads a step while the next runs (`_device_steps`); False: the host builds every
-        step's input from what it read (for chains two reads, the drafts then the argmax)."""
-        if require_cuda and target.device.type != "cuda":
+        captured buckets are shared, so only new bucket sizes compile (its kernel settings hold,
+        not `config.kernels`). `config`: how the engine builds and runs (FastConfig)."""
+        c = self.config = config
+        if c.require_cuda and target.device.type != "cuda":
             raise SpecdecError(
                 f"the fast path needs a CUDA GPU; the target is on {target.device}; use the "
                 f"reference engine (SpeculativeEngine), which runs anywhere"
             )
         super().__init__(target, drafter=drafter, ngram=ngram, k=k, tree=tree, proposer=proposer)
         ctx = getattr(target.config, "max_position_embeddings", None) or 4096
-        self.max_len = min(max_len or 2048, ctx)  # prompt + new tokens
+        self.max_len = min(c.max_len or 2048, ctx)  # prompt + new tokens
         self.buckets = sorted({1, k + 1} | ({tree.total_tokens + 1} if tree else set()))
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = c.prefill_chunk
         # Slots past max_len: a last verify step's draft and padding, a padded prefill chunk, and
         # the scratch slot that warm-ups and padded copies write.
         # At least 64 + chunk, so a decoder shared by engines of other k (<= 63) still fits.
-        pad = max(self.buckets[-1], 64) + prefill_chunk + 1
+        pad = max(self.buckets[-1], 64) + c.prefill_chunk + 1
         on_cuda = target.device.type == "cuda"
-        compile = on_cuda if compile is None else compile
+        compile = on_cuda if c.compile is None else c.compile
         self.static = None
-        self.steps_on_device = steps_on_device
+        self.steps_on_device = c.steps_on_device
         self._reads = None  # _device_steps' pinned read buffers and their events
-        if isinstance(self.proposer, Eagle3Proposer) and static_drafter:
-            kw = dict(max_len=self.max_len, cuda_graphs=on_cuda and cuda_graphs, compile=compile and on_cuda)
-            self.static = (StaticChainDrafter(self.proposer.drafter, k=k, kernels=drafter_kernels, **kw)
+        if isinstance(self.proposer, Eagle3Proposer) and c.static_drafter:
+            kw = dict(max_len=self.max_len, cuda_graphs=on_cuda and c.cuda_graphs, compile=compile and on_cuda)
+            self.static = (StaticChainDrafter(self.proposer.drafter, k=k, kernels=c.drafter_kernels,
+                                              kernel_config=c.kernels, **kw)
                            if tree is None else StaticTreeDrafter(self.proposer.drafter, tree=tree, **kw))
         if decoder is not None:
             if decoder.cache_len < self.max_len + pad:
@@ -106,11 +89,12 @@ class FastEngine(SpeculativeEngine):
             return
         self.fast = FastDecoder(target.model, max_len=self.max_len, aux_layer_ids=target.aux_layer_ids,
                                 last_state=target.last_state, pad=pad)
+        coordinate_descent = c.coordinate_descent
         if coordinate_descent is None:
             coordinate_descent = prefer_coordinate_descent(target.model)
-        if on_cuda or not require_cuda:
-            self.fast.optimize(compile=compile, cuda_graphs=cuda_graphs and on_cuda,
-                               mode=mode, coordinate_descent=coordinate_descent, pack=pack_weights)
+        if on_cuda or not c.require_cuda:
+            self.fast.optimize(compile=compile, cuda_graphs=c.cuda_graphs and on_cuda, mode=c.mode,
+                               coordinate_descent=coordinate_descent, kernel_config=c.kernels)
 
     def warmup(self) -> float:
         """Compile and capture every bucket now; returns the seconds it took."""

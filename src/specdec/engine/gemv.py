@@ -19,7 +19,7 @@ All stay in fp32 up to the one rounding of the output, where HF rounds the norme
 product to bf16 on the way: the logits differ by that rounding, no more than cuBLAS's path
 differs from HF's forward.
 
-Over 2..ROWS_MAX rows (a verify step) `gemv`, `gemv_rms` and `gemv_add` run `_rows_kernel`: the
+Over 2..rows_max rows (a verify step, KernelConfig) `gemv`, `gemv_rms` and `gemv_add` run `_rows_kernel`: the
 weight as the tensor cores' wide operand and the tokens as the narrow one, padded to 16, its loads
 software-pipelined (num_stages) and its block sizes autotuned, so the weight streams once for all
 the step's tokens. Packed weights (`pack`) run `_rows_packed_kernel` instead.
@@ -37,6 +37,7 @@ import os
 import torch
 
 from ..models.cpu_products import few_row_linear
+from .config import KernelConfig
 
 try:  # Triton comes with CUDA builds of torch; CPU-only installs have it from the dev extra or not at all
     import triton
@@ -49,34 +50,6 @@ except ImportError:  # pragma: no cover - exercised on CPU-only installs without
 # kernels run on CPU tensors, in numpy: slowly, but the kernel bodies themselves are tested.
 INTERPRETED = triton is not None and os.environ.get("TRITON_INTERPRET") == "1"
 _DEVICES = ("cuda", "cpu") if INTERPRETED else ("cuda",)
-
-
-# SiLU * up goes into the gate/up product's store up to this size of gate/up weight, and into a
-# compiled kernel between the MLP's two products above it: folding saves a small product's extra
-# kernel, while a large product streams slower with two accumulators, losing more than that kernel costs.
-# benchmarks/roofline_8b.py's glu=0/1 steps set it to 0 / no limit.
-GLU_FOLD_MAX_BYTES = 32 << 20
-
-# Steps of 2..ROWS_MAX tokens (verification) run their products through the rows kernel instead
-# of cuBLAS; benchmarks/roofline_8b.py's rows=N steps set it (0: cuBLAS for every step of > 1 token).
-ROWS_MAX = 16
-# Whether those steps also fold RMSNorm and the residual add into the rows kernel (`gemv_rms` /
-# `gemv_add` over T rows) rather than leaving them to one compiled kernel per norm. Folded, each program
-# renormalises its slice of x (the products slow a little) but ~3 kernels per layer go, which
-# gains more. rowsfold=0/1 steps set it.
-ROWS_FOLD = True
-# Whether the rows kernel's autotuner also tries deeper pipelines, wider K chunks and 8 warps
-# (`_ROWS_MORE`); benchmarks/roofline_8b.py's rowscfg=0/1 steps set it.
-ROWS_MORE_CONFIGS = True
-# Whether FastDecoder.optimize packs (`pack`) the products' weights of at least PACK_MIN_BYTES into a
-# second copy for the kernels (the model's own weights stay as they are, for the steps of more
-# tokens than the kernels take and everything else that reads them). Off by default: that copy
-# costs those weights' memory again for a small gain: contiguous blocks stream faster, most of all
-# in verify steps. `--pack-weights` (eval, serve, bench), FastEngine(pack_weights=True) and
-# benchmarks/roofline_8b.py's pack=1 steps turn it on.
-PACK_WEIGHTS = False
-# Smaller products stream no faster packed (benchmarks/rows_variants.py: o_proj, 34 MB, the least gain).
-PACK_MIN_BYTES = 32 << 20
 
 
 def available() -> bool:
@@ -227,9 +200,11 @@ if triton is not None:
                  for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8)],
         key=["N", "K", "GLU", "LBN", "LBK"])(_gemv_kernel)
 
-    def _launch(x, w, g, r, eps: float, norm: bool, residual: bool, glu: bool = False) -> torch.Tensor:
-        """y [T, N] for x of T rows of K (T = 1: the GEMV; 2..ROWS_MAX: the rows kernel), w row-major
-        [N, K] or packed (see `pack`)."""
+    def _launch(x, w, g, r, eps: float, norm: bool, residual: bool, glu: bool = False,
+                more: bool = True) -> torch.Tensor:
+        """y [T, N] for x of T rows of K (T = 1: the GEMV; more: the rows kernel), w row-major
+        [N, K] or packed (see `pack`); `more`: the rows kernel's autotuner also tries `_ROWS_MORE`
+        (KernelConfig.rows_more_configs)."""
         k = in_features(w)
         t = x.numel() // k
         n = out_features(w) // 2 if glu else out_features(w)
@@ -251,7 +226,7 @@ if triton is not None:
             wrap_triton(kernel)[(n // layout["LBN"],)](*args, **flags)
             return y
         else:
-            tuned, plain, args = _rows_tuned[ROWS_MORE_CONFIGS], _rows_kernel, (w, x, y, g, r, n, t, eps, k)
+            tuned, plain, args = _rows_tuned[more], _rows_kernel, (w, x, y, g, r, n, t, eps, k)
             flags = dict(TP=16, NORM=norm, RESIDUAL=residual, UPCAST=not x.is_cuda)
         # Block sizes are tuned per shape on the GPU; the interpreter has no timer to tune with.
         if x.is_cuda:
@@ -260,21 +235,22 @@ if triton is not None:
             wrap_triton(plain)[grid](*args, **flags, BLOCK_N=16, BLOCK_K=64)
         return y
 
-    # Each op takes x as T contiguous rows of K ([K] or [T, K]) and returns [T, N].
+    # Each op takes x as T contiguous rows of K ([K] or [T, K]) and returns [T, N]; `more` is
+    # KernelConfig.rows_more_configs, an argument so that it keys torch.compile's graph cache.
     @triton_op("specdec::gemv", mutates_args={})
-    def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def gemv(x: torch.Tensor, w: torch.Tensor, more: bool) -> torch.Tensor:
         """`x @ w.T` for a contiguous w [N, K]."""
-        return _launch(x, w, x, x, 0.0, False, False)
+        return _launch(x, w, x, x, 0.0, False, False, more=more)
 
     @triton_op("specdec::gemv_rms", mutates_args={})
-    def gemv_rms(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    def gemv_rms(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, eps: float, more: bool) -> torch.Tensor:
         """`rms_norm(x, g) @ w.T`, each row normed on its own."""
-        return _launch(x, w, g, x, eps, True, False)
+        return _launch(x, w, g, x, eps, True, False, more=more)
 
     @triton_op("specdec::gemv_add", mutates_args={})
-    def gemv_add(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    def gemv_add(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, more: bool) -> torch.Tensor:
         """`r + x @ w.T` for a contiguous residual r of T rows of N."""
-        return _launch(x, w, x, r, 0.0, False, True)
+        return _launch(x, w, x, r, 0.0, False, True, more=more)
 
     @triton_op("specdec::gemv_rms_glu", mutates_args={})
     def gemv_rms_glu(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -292,12 +268,13 @@ def in_features(weight: torch.Tensor) -> int:
     return weight.shape[1] * weight.shape[3] if weight.dim() == 4 else weight.shape[1]
 
 
-def pack_layout(n: int, k: int, nbytes: int) -> tuple[int, int] | None:
+def pack_layout(n: int, k: int, nbytes: int, min_bytes: int) -> tuple[int, int] | None:
     """The packed layout (LBN, LBK) for a weight [n, k] of `nbytes`, or None to keep it row-major:
-    below PACK_MIN_BYTES, or where the blocks do not divide it. The blocks are the rows kernel's
-    fastest on Llama-3.1-8B's shapes for 8 tokens (benchmarks/rows_variants.py):
+    below `min_bytes` (KernelConfig.pack_min_bytes), or where the blocks do not divide it. The
+    blocks are the rows kernel's fastest on Llama-3.1-8B's shapes for 8 tokens
+    (benchmarks/rows_variants.py):
     128 x 256 for the wide gate/up, 32 x 512 for the long down rows, 64 x 256 for q/k/v and o."""
-    if nbytes < PACK_MIN_BYTES:
+    if nbytes < min_bytes:
         return None
     lbn, lbk = (128, 256) if n >= 16384 else (32, 512) if k >= 8192 else (64, 256)
     return (lbn, lbk) if n % lbn == 0 and k % lbk == 0 else None
@@ -329,45 +306,50 @@ def fused_one_token(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _takes(x, weight) and x.numel() == x.shape[-1]
 
 
-def few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the rows kernel applies: 2..ROWS_MAX bf16/fp16 rows where Triton runs, a contiguous
-    weight of their dtype."""
-    return _takes(x, weight) and 1 < x.numel() // x.shape[-1] <= ROWS_MAX
+def few_rows(x: torch.Tensor, weight: torch.Tensor, kernels: KernelConfig) -> bool:
+    """Whether the rows kernel applies: 2..kernels.rows_max bf16/fp16 rows where Triton runs, a
+    contiguous weight of their dtype."""
+    return _takes(x, weight) and 1 < x.numel() // x.shape[-1] <= kernels.rows_max
 
 
-def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: KernelConfig
+                ) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: one bf16/fp16 row on CUDA through the Triton GEMV, up to
-    ROWS_MAX through the rows kernel, the rest through `few_row_linear`."""
-    if not (fused_one_token(x, weight) or few_rows(x, weight)):
+    kernels.rows_max through the rows kernel, the rest through `few_row_linear`."""
+    if not (fused_one_token(x, weight) or few_rows(x, weight, kernels)):
         return few_row_linear(x, unpack(weight), bias)
-    y = gemv(_rows(x), weight).view(*x.shape[:-1], out_features(weight))
+    y = gemv(_rows(x), weight, kernels.rows_more_configs).view(*x.shape[:-1], out_features(weight))
     return y if bias is None else y + bias
 
 
-def folds(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `rms_linear` and `linear_add` apply: one row (the GEMV) or, with ROWS_FOLD,
-    2..ROWS_MAX (the rows kernel)."""
-    return fused_one_token(x, weight) or (ROWS_FOLD and few_rows(x, weight))
+def folds(x: torch.Tensor, weight: torch.Tensor, kernels: KernelConfig) -> bool:
+    """Whether `rms_linear` and `linear_add` apply: one row (the GEMV) or, with kernels.rows_fold,
+    2..rows_max (the rows kernel)."""
+    return fused_one_token(x, weight) or (kernels.rows_fold and few_rows(x, weight, kernels))
 
 
-def rms_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+def rms_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor, kernels: KernelConfig
+               ) -> torch.Tensor:
     """`F.linear(rms_norm(x, g, eps), weight)` in one kernel (call only where `folds`)."""
-    return gemv_rms(_rows(x), g, weight, eps).view(*x.shape[:-1], out_features(weight))
+    y = gemv_rms(_rows(x), g, weight, eps, kernels.rows_more_configs)
+    return y.view(*x.shape[:-1], out_features(weight))
 
 
-def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, kernels: KernelConfig
+               ) -> torch.Tensor:
     """`residual + F.linear(x, weight)` in one kernel (call only where `folds`)."""
     n = out_features(weight)
-    return gemv_add(_rows(x), weight, residual.reshape(-1, n).contiguous()).view(*x.shape[:-1], n)
+    y = gemv_add(_rows(x), weight, residual.reshape(-1, n).contiguous(), kernels.rows_more_configs)
+    return y.view(*x.shape[:-1], n)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def folds_glu(weight: torch.Tensor) -> bool:
-    """Whether SiLU * up goes into the store of this gate/up product (see GLU_FOLD_MAX_BYTES)."""
-    return weight.dim() == 2 and weight.numel() * weight.element_size() <= GLU_FOLD_MAX_BYTES
+def folds_glu(weight: torch.Tensor, kernels: KernelConfig) -> bool:
+    """Whether SiLU * up goes into the store of this gate/up product (KernelConfig.glu_fold_max_bytes)."""
+    return weight.dim() == 2 and weight.numel() * weight.element_size() <= kernels.glu_fold_max_bytes
 
 
 def rms_glu_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import SpecdecError
 from . import gemv as gemv_kernels
+from .config import KernelConfig
 from .layer_math import rms_norm
 from .static_layers import (Shapes, check_supported, layer_weights, make_head_fn, make_layer_fn, make_prep_fn,
                             rope_tables, round_up)
@@ -80,6 +81,7 @@ class FastDecoder:
             self.kv = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(s.num_layers)]
         self.aux_layer_ids = list(aux_layer_ids or [])
         self.last_state = last_state
+        self.kernel_config = KernelConfig()
         self._layer = make_layer_fn(s)
         # The row-major weights: every step's until optimize packs them, then the wide steps'.
         self._layer_args = self._wide_args = [lw.args() for lw in self.layers]
@@ -94,34 +96,34 @@ class FastDecoder:
     # -- setup ---------------------------------------------------------------------------
     def optimize(self, *, compile: bool = True, cuda_graphs: bool = True, mode: str | None = None,
                  coordinate_descent: bool = True, gemv: bool | None = None,
-                 attention_kernel: bool | None = None, pack: bool | None = None) -> "FastDecoder":
+                 attention_kernel: bool | None = None, kernel_config: KernelConfig | None = None) -> "FastDecoder":
         """Compile the step functions with inductor (`mode` is torch.compile's; the default fuses
         without autotuning matmuls) and capture each step as a CUDA graph on first use.
 
         `coordinate_descent` sets inductor's coordinate_descent_tuning, which also turns every
         matrix-vector product (one token) into a tuned Triton reduction instead of a cuBLAS GEMV.
-        `gemv` routes the products of steps of up to gemv.ROWS_MAX tokens through gemv.py's Triton
-        kernels instead, each RMSNorm and residual add folded into its product (None: wherever
-        Triton runs, i.e. on CUDA), and `attention_kernel` (None: as `gemv`) the attention of steps
-        that fit decode_attention.py's kernels through them. `pack` (None: gemv.PACK_WEIGHTS) gives
-        the kernels a packed copy of each product's weight (gemv.pack_layout). Graphs captured before
-        are dropped."""
+        `gemv` routes the products of steps of up to kernels.rows_max tokens through gemv.py's
+        Triton kernels instead, each RMSNorm and residual add folded into its product (None:
+        wherever Triton runs, i.e. on CUDA), and `attention_kernel` (None: as `gemv`) the attention
+        of steps that fit decode_attention.py's kernels through them. `kernel_config` (None: the
+        shipped KernelConfig) holds the kernels' settings, packed weights among them (gemv.pack_layout).
+        Graphs captured before are dropped."""
         if self.device.type != "cuda" and cuda_graphs:
             raise SpecdecError("CUDA graphs need a CUDA device; found " + str(self.device))
         if gemv is None:
             gemv = self.device.type == "cuda" and gemv_kernels.available()
+        self.kernel_config = k = kernel_config or KernelConfig()
         self._bufs.clear()
         self._compact.clear()
-        self._layer = make_layer_fn(self.shapes, gemv, attention_kernel)
+        self._layer = make_layer_fn(self.shapes, gemv, attention_kernel, k)
         self._prep = make_prep_fn(self.shapes, self.cache_len)
-        self._head = make_head_fn(self.shapes, gemv)
+        self._head = make_head_fn(self.shapes, gemv, k)
         # The kernels' packed weights, a second copy (the previous packing is dropped first). Steps
         # of more tokens than the kernels take (prefill chunks, large trees) keep reading the
         # row-major weights: a packed one would be unpacked, a copy of the weight, on every such step.
-        if pack is None:
-            pack = gemv_kernels.PACK_WEIGHTS  # read now: benchmarks set it between builds
         self._layer_args = []
-        self._layer_args = [(lw.packed() if gemv and pack else lw).args() for lw in self.layers]
+        self._layer_args = [(lw.packed(k.pack_min_bytes) if gemv and k.pack_weights else lw).args()
+                            for lw in self.layers]
         if compile:
             import torch._dynamo.config as dc
             from torch._inductor import list_mode_options
@@ -191,7 +193,7 @@ class FastDecoder:
         states = {}
         L = self.shapes.num_layers
         T = math.isqrt(staging.numel()) - 1  # the staging buffer holds (T + 1) ** 2 values
-        for i, args in enumerate(self._layer_args if T <= gemv_kernels.ROWS_MAX else self._wide_args):
+        for i, args in enumerate(self._layer_args if T <= self.kernel_config.rows_max else self._wide_args):
             if capture and i in self.aux_layer_ids:
                 states[i] = x
             x = self._layer(x, *args, self.kv[i], cos, sin, slots, mask, tm)

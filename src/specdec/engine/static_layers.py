@@ -19,6 +19,7 @@ from ..errors import SpecdecError
 from ..models.cpu_products import few_row_linear
 from .gemv import (folds, folds_glu, fused_one_token, gemv_linear, linear_add, pack, pack_layout,
                    rms_glu_linear, rms_linear)
+from .config import KernelConfig
 from .layer_math import rms_norm, rotate_half
 from . import decode_attention
 
@@ -117,27 +118,30 @@ def decoder_layer(x, weights, attention, norm_linear, add_linear, glu=None):
     return add_linear(x, act, wd, bd)
 
 
-def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None = None):
+def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None = None,
+                  kernels: KernelConfig = KernelConfig()):
     """One decoder layer over T tokens. Every argument is a tensor (or None), so one compiled
-    graph serves all layers. With `gemv`, steps of up to gemv.ROWS_MAX tokens run gemv.py's Triton
-    products (the GEMV for one token, the rows kernel for a verify step), each RMSNorm and residual add
-    folded into its product and, for small MLPs at one token, SiLU * up into the gate/up product's
-    store; with `attention_kernel` (default: as `gemv`), the attention of a step of few tokens
-    runs as decode_attention.py's kernels."""
+    graph serves all layers. With `gemv`, steps of up to kernels.rows_max tokens run gemv.py's
+    Triton products (the GEMV for one token, the rows kernel for a verify step), each RMSNorm and
+    residual add folded into its product and, for small MLPs at one token, SiLU * up into the
+    gate/up product's store; with `attention_kernel` (default: as `gemv`), the attention of a step
+    of few tokens runs as decode_attention.py's kernels."""
     kernel = gemv if attention_kernel is None else attention_kernel
     nh, nkv, hd, g, eps = s.heads, s.kv_heads, s.head_dim, s.groups, s.eps
     scale = hd**-0.5
-    linear = gemv_linear if gemv else few_row_linear
+
+    def linear(x, w, b):
+        return gemv_linear(x, w, b, kernels) if gemv else few_row_linear(x, w, b)
 
     def norm_linear(x, ln, w, b):
-        if gemv and folds(x, w):
-            y = rms_linear(x, ln, eps, w)
+        if gemv and folds(x, w, kernels):
+            y = rms_linear(x, ln, eps, w, kernels)
             return y if b is None else y + b
         return linear(rms_norm(x, ln, eps), w, b)
 
     def add_linear(residual, x, w, b):
-        if gemv and b is None and folds(x, w):
-            return linear_add(x, w, residual)
+        if gemv and b is None and folds(x, w, kernels):
+            return linear_add(x, w, residual, kernels)
         return residual + linear(x, w, b)
 
     def attention(qkv, qn, kn, kv, cos, sin, slots, mask, tm):
@@ -147,8 +151,9 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
         k = rope(k, c, sn)
         # kv shape: [2, nkv, S, hd]; one index_put_ for keys and values, reinplaced
         kv[:, :, slots] = torch.stack((k, v)).transpose(1, 2)
-        if kernel and qn is None and decode_attention.fits(qkv, kv, nh):
-            return decode_attention.decode_attention(qkv, cos, sin, kv, slots, tm, nh, scale)  # ropes q itself
+        if kernel and qn is None and decode_attention.fits(qkv, kv, nh, kernels):
+            block, chunk = decode_attention.settings(kernels, T)  # the op ropes q itself:
+            return decode_attention.decode_attention(qkv, cos, sin, kv, slots, tm, nh, scale, block, chunk)
         q = rope(q, c, sn)
         # GQA without repeating the cache: the g query heads of one kv head become g*T rows.
         qg = q.view(T, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * T, hd)
@@ -159,7 +164,7 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
         return o.view(nkv, g, T, hd).permute(2, 0, 1, 3).reshape(T, nh * hd)
 
     def glu(x, ln2, wgu, bgu):
-        if gemv and bgu is None and fused_one_token(x, wgu) and folds_glu(wgu):
+        if gemv and bgu is None and fused_one_token(x, wgu) and folds_glu(wgu, kernels):
             return rms_glu_linear(x, ln2, eps, wgu)
         return None
 
@@ -206,15 +211,16 @@ def split_argmax(logits: torch.Tensor, chunks: int = 64) -> torch.Tensor:
     return (best * n + idx.gather(-1, best)).squeeze(-1)
 
 
-def make_head_fn(s: Shapes, gemv: bool = False):
+def make_head_fn(s: Shapes, gemv: bool = False, kernels: KernelConfig = KernelConfig()):
     eps = s.eps
-    linear = gemv_linear if gemv else few_row_linear
 
     def head(x, norm_w, lm_w):
-        if gemv and folds(x, lm_w):
-            logits = rms_linear(x, norm_w, eps, lm_w)
+        if gemv and folds(x, lm_w, kernels):
+            logits = rms_linear(x, norm_w, eps, lm_w, kernels)
+        elif gemv:
+            logits = gemv_linear(rms_norm(x, norm_w, eps), lm_w, None, kernels)  # shape: [T, V]
         else:
-            logits = linear(rms_norm(x, norm_w, eps), lm_w)  # shape: [T, V]
+            logits = few_row_linear(rms_norm(x, norm_w, eps), lm_w)
         return logits, split_argmax(logits) if gemv else logits.argmax(dim=-1)
 
     return head
@@ -240,10 +246,11 @@ class _Layer:
         return (self.ln1, self.wqkv, self.bqkv, self.qn, self.kn, self.wo, self.bo, self.ln2,
                 self.wgu, self.bgu, self.wd, self.bd)
 
-    def packed(self) -> "_Layer":
-        """This layer with its products' weights packed where gemv.pack_layout says so (new tensors)."""
+    def packed(self, min_bytes: int) -> "_Layer":
+        """This layer with its products' weights of at least `min_bytes` packed where
+        gemv.pack_layout says so (new tensors)."""
         def packed(w):
-            layout = pack_layout(*w.shape, w.numel() * w.element_size())
+            layout = pack_layout(*w.shape, w.numel() * w.element_size(), min_bytes)
             return w if layout is None else pack(w, layout)
         return replace(self, wqkv=packed(self.wqkv), wo=packed(self.wo), wgu=packed(self.wgu),
                                    wd=packed(self.wd))

@@ -19,7 +19,13 @@ requests in flight, retries with exponential backoff on connection errors, 429 a
 Output: one JSON line per finished conversation, fsynced:
   {"id", "messages", "target", "finish_reason", "new_tokens", "finish_reasons"}
 Rerunning the same command resumes: finished ids are skipped and a line torn by a kill is
-dropped. Prompt sources: sharegpt, mt-bench, humaneval, or a local .json/.jsonl.
+dropped. Prompt sources: sharegpt, mt-bench, humaneval, a local .json/.jsonl, or self.
+
+--prompts self: the target writes the prompts too (the Magpie method): it is shown only its chat
+template's user-turn header and samples a user message, --limit of them, which are filtered (length,
+non-printable or mostly non-letter text, non-ASCII language, exact and near duplicates) and appended
+to OUT.self-prompts.jsonl next to the output; a rerun continues that file. --self-topics spreads the
+prompts over topics (named in a system message, round-robin). Needs --target (in process).
 
 examples:
   specdec regenerate --target tiny-llama --prompts mt-bench --limit 4 --max-new-tokens 16 -o /tmp/regen.jsonl
@@ -27,6 +33,9 @@ examples:
       --batch-size 256 -o runs/smol/regen.jsonl
   specdec regenerate --endpoint http://localhost:8000 --prompts sharegpt --limit 10000 \\
       --concurrency 64 -o runs/big/regen.jsonl          # vLLM / SGLang already serving the target
+  specdec regenerate --target smollm2-135m-instruct --prompts self --limit 200 -o runs/smol/regen.jsonl
+  specdec regenerate --target smollm2-135m-instruct --prompts self --self-topics "code,math,writing" \\
+      --limit 1000 -o runs/smol/regen.jsonl             # prompts in runs/smol/regen.self-prompts.jsonl
 """
 
 
@@ -39,7 +48,8 @@ def register(subparsers) -> None:
     )
     p.add_argument("--target", metavar="T", help="registry name, HF folder or .gguf (in-process mode)")
     p.add_argument("--prompts", required=True, metavar="SOURCE",
-                   help="sharegpt, mt-bench, humaneval, or a local .json/.jsonl file")
+                   help="sharegpt, mt-bench, humaneval, a local .json/.jsonl file, or self (the target "
+                        "writes the prompts; needs --limit)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="JSONL to append to (resumed)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="random sample of N conversations")
     p.add_argument("--seed", type=int, default=0, help="seed of the --limit sample and of sampling (default: 0)")
@@ -64,6 +74,24 @@ def register(subparsers) -> None:
     e.add_argument("--max-retries", type=int, default=6, metavar="N",
                    help="retries per request on connection errors, 429 and 5xx (default: 6)")
     e.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per request (default: 600)")
+    s = p.add_argument_group("prompts written by the target (--prompts self)")
+    s.add_argument("--self-topics", default=None, metavar="LIST|FILE",
+                   help='comma-separated topics, or a file with one per line (e.g. "code,math,writing"); '
+                        "default: none (plain Magpie)")
+    s.add_argument("--self-max-tokens", type=int, default=128, metavar="N",
+                   help="per prompt; a prompt cut off at this limit is dropped (default: 128)")
+    s.add_argument("--self-temperature", type=float, default=1.0, metavar="T", help="prompt sampling (default: 1.0)")
+    s.add_argument("--self-top-p", type=float, default=0.99, metavar="P", help="prompt sampling (default: 0.99)")
+    s.add_argument("--self-min-chars", type=int, default=10, metavar="N",
+                   help="shorter prompts are dropped (default: 10)")
+    s.add_argument("--self-max-chars", type=int, default=2000, metavar="N",
+                   help="longer prompts are dropped (default: 2000)")
+    s.add_argument("--self-min-ascii", type=float, default=0.9, metavar="SHARE",
+                   help="least share of ASCII among a prompt's letters, a cheap language check; 0 = off "
+                        "(default: 0.9)")
+    s.add_argument("--self-near-duplicate", type=float, default=0.7, metavar="J",
+                   help="drop a prompt whose word 3-grams have Jaccard >= J with a kept one; above 1 = off "
+                        "(default: 0.7)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
     p.set_defaults(func=run)
 
@@ -73,6 +101,7 @@ def run(args) -> int:
 
     from specdec.data.datasets import load_conversations
     from specdec.data.regenerate import RegenConfig, regenerate_endpoint, regenerate_local
+    from specdec.data.self_prompts import SOURCE_NAME
     from specdec.errors import SpecdecError
 
     if not args.endpoint and not args.target:
@@ -81,7 +110,12 @@ def run(args) -> int:
         raise SpecdecError(f"--batch-size must be >= 1, found {args.batch_size}")
     if args.max_new_tokens < 1:
         raise SpecdecError(f"--max-new-tokens must be >= 1, found {args.max_new_tokens}")
-    convs = load_conversations(args.prompts, limit=args.limit, seed=args.seed)
+    own_prompts = args.prompts == SOURCE_NAME
+    if own_prompts:
+        _check_self_args(args)
+    elif args.self_topics:
+        raise SpecdecError(f"--self-topics applies only with --prompts {SOURCE_NAME}")
+    convs = None if own_prompts else load_conversations(args.prompts, limit=args.limit, seed=args.seed)
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                       seed=args.seed, single_turn=args.single_turn)
     progress = not args.no_progress
@@ -96,8 +130,43 @@ def run(args) -> int:
 
         target = load_target(args.target, device=args.device, dtype=args.dtype, device_map=args.device_map)
         batch = args.batch_size or (256 if target.device.type == "cuda" else 32)
+        if own_prompts:
+            convs = _write_own_prompts(target, args, batch, progress)
         summary = regenerate_local(target, convs, args.output, cfg, batch_size=batch, progress=progress,
                                    fast=False if args.hf_generate else None)
     print(summary.line())
     print(f"wrote {args.output}; next: specdec capture --target {args.target or 'T'} --data {args.output} -o DIR")
     return 0
+
+
+def _check_self_args(args) -> None:
+    from specdec.errors import SpecdecError
+
+    if args.endpoint:
+        raise SpecdecError("--prompts self needs --target: the prompts are sampled from the raw chat template "
+                           "(a user-turn header), which /v1/chat/completions cannot do; write them in process "
+                           "with --target T, or pass the prompts file of such a run to --prompts")
+    if args.limit is None or args.limit < 1:
+        raise SpecdecError(f"--prompts self needs --limit N >= 1 (how many prompts to write), found {args.limit}")
+    if args.self_max_tokens < 1:
+        raise SpecdecError(f"--self-max-tokens must be >= 1, found {args.self_max_tokens}")
+    if args.self_temperature <= 0:
+        raise SpecdecError(f"--self-temperature must be > 0 (greedy would write one prompt), found "
+                           f"{args.self_temperature}")
+
+
+def _write_own_prompts(target, args, batch: int, progress: bool) -> list:
+    from specdec.data.self_prompts import (PromptFilter, SelfPromptConfig, load_self_prompts, parse_topics,
+                                           prompts_path, write_self_prompts)
+
+    path = prompts_path(args.output)
+    cfg = SelfPromptConfig(
+        limit=args.limit, seed=args.seed, max_new_tokens=args.self_max_tokens, temperature=args.self_temperature,
+        top_p=args.self_top_p, batch_size=batch, topics=parse_topics(args.self_topics),
+        filter=PromptFilter(min_chars=args.self_min_chars, max_chars=args.self_max_chars,
+                            min_ascii_share=args.self_min_ascii, near_duplicate=args.self_near_duplicate),
+    )
+    stats = write_self_prompts(target, path, cfg, progress=progress)
+    print(stats.line())
+    print(f"prompts in {path}")
+    return load_self_prompts(path, args.limit)

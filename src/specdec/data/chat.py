@@ -83,7 +83,8 @@ def render_text(tokenizer, messages: Sequence[dict], *, add_generation_prompt: b
     return text
 
 
-def _stop_strings(tokenizer) -> list[str]:
+def stop_strings(tokenizer) -> list[str]:
+    """The eos token and the end-of-turn markers of common templates that this tokenizer knows."""
     out = []
     eos = getattr(tokenizer, "eos_token", None)
     if eos:
@@ -111,7 +112,7 @@ def _tokenize(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]] | 
 
 
 def _assistant_spans(tokenizer, messages: Sequence[dict], full: str) -> list[tuple[int, int]]:
-    stops = _stop_strings(tokenizer)
+    stops = stop_strings(tokenizer)
     spans = []
     cursor = 0
     for i, m in enumerate(messages):

@@ -31,6 +31,7 @@ import torch
 from transformers import LlamaConfig
 
 import specdec.models.drafter as drafter_mod
+from specdec.bench.roofline import card_name
 from specdec.engine.api import SamplingParams
 from specdec.engine.config import FastConfig, KernelConfig
 from specdec.engine.eagle import Eagle3Proposer
@@ -184,7 +185,7 @@ def real_e2e(dev, res, out, names, target_path: str, drafter_path: str, prompts:
             print(f"real {name:18s} pass {pass_}: {toks / sec:8.1f} tok/s, {sec / steps * 1e3:6.3f} ms per step, "
                   f"{acc_len:.2f} tokens per step", flush=True)
             res["real_e2e"] = rows
-            (out / "h200_drafter_step_real.json").write_text(json.dumps(res, indent=1))
+            (out / f"{card_name()}_drafter_step_real.json").write_text(json.dumps(res, indent=1))
     if cpu:
         return
     for name, e in engines.items():
@@ -193,13 +194,13 @@ def real_e2e(dev, res, out, names, target_path: str, drafter_path: str, prompts:
             rows[name]["profile"] = step_profile(e, ids[0], params, name, out)
         except Exception as err:  # a profiler that cannot see graph replays: the row goes without
             print(f"real {name}: no profile ({type(err).__name__}: {err})", flush=True)
-    (out / "h200_drafter_step_real.json").write_text(json.dumps(res, indent=1))
+    (out / f"{card_name()}_drafter_step_real.json").write_text(json.dumps(res, indent=1))
 
 
 def step_profile(e, prompt, params, name: str, out: Path) -> dict:
     """One profiled generate: per step, the kernels launched, the time the GPU was busy (the union
     of kernel intervals) and the span from the first kernel to the last; the busiest kernels go to
-    `out`/h200_step_profile.txt. Busy < span per step is time the GPU waited (host, launches)."""
+    `out`/CARD_step_profile.txt. Busy < span per step is time the GPU waited (host, launches)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -224,7 +225,7 @@ def step_profile(e, prompt, params, name: str, out: Path) -> dict:
     row = {"kernels_per_step": len(spans) / steps, "gpu_busy_ms_per_step": busy / 1e3 / steps,
            "gpu_span_ms_per_step": (spans[-1][1] - spans[0][0]) / 1e3 / steps if spans else 0.0}
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=25)
-    with open(out / "h200_step_profile.txt", "a") as f:
+    with open(out / f"{card_name()}_step_profile.txt", "a") as f:
         f.write(f"== {name}: {json.dumps(row)}\n{table}\n")
     print(f"profile {name:18s} {row['kernels_per_step']:6.1f} kernels, GPU busy {row['gpu_busy_ms_per_step']:.3f} "
           f"of {row['gpu_span_ms_per_step']:.3f} ms per step", flush=True)
@@ -272,6 +273,9 @@ def e2e(dev, res, out, names=E2E_ROWS, profile_steps: bool = False) -> None:
                 "eagle3-tree-static": ({"drafter": drafter, "tree": tree}, {})}
     for name in ("plain", *[n for n in names if n != "plain"]):
         kw, changes = variants[name]
+        if changes.get("drafter_kernels") and not applies(drafter, kw["k"] + 1, KernelConfig()):
+            print(f"e2e {name:18s} skipped: the kernels need Triton on a GPU (or TRITON_INTERPRET=1)")
+            continue
         run = replace(config, **changes)
         e = plain if name == "plain" else FastEngine(target, decoder=plain.fast, config=run, **kw)
         t0 = time.perf_counter()
@@ -291,7 +295,7 @@ def e2e(dev, res, out, names=E2E_ROWS, profile_steps: bool = False) -> None:
         if profile_steps and dev.type == "cuda":
             rows[name]["profile"] = step_profile(e, prompt, params, name, out)
         res["e2e"] = rows
-        (out / "h200_drafter_step.json").write_text(json.dumps(res, indent=1))
+        (out / f"{card_name()}_drafter_step.json").write_text(json.dumps(res, indent=1))
 
 
 def main() -> int:
@@ -349,7 +353,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         if args.rounds:
             res["tree"] = tree_rounds(d, dev, args.rounds)
-            (out / "h200_drafter_step_tree.json").write_text(json.dumps(res, indent=1))
+            (out / f"{card_name()}_drafter_step_tree.json").write_text(json.dumps(res, indent=1))
         if args.e2e:
             e2e(dev, res, out, args.e2e_rows.split(","), profile_steps=args.profile_steps)
         return 0
@@ -388,7 +392,7 @@ def main() -> int:
         res[name] = {"ms_per_round": ms, "drafts_agree_with_eager": agree, "capture_s": warm}
         print(f"{name:15s} {ms:8.3f} ms per round; drafts equal to the eager proposer's in {agree:.0%} of 50 "
               f"rounds (compile and capture {warm:.1f} s)", flush=True)
-        (out / "h200_drafter_step.json").write_text(json.dumps(res, indent=1))
+        (out / f"{card_name()}_drafter_step.json").write_text(json.dumps(res, indent=1))
     if dev.type == "cuda":  # where a round's GPU time goes: the compiled steps without graphs, kernel by kernel
         from torch.profiler import ProfilerActivity, profile
 
@@ -401,7 +405,7 @@ def main() -> int:
             tables.append(f"== {name}, no graphs: 20 rounds (commit 2 + propose 5)\n"
                           + p.key_averages().table(sort_by="cuda_time_total", row_limit=25))
             print(tables[-1], flush=True)
-        (out / "h200_drafter_step_static_profile.txt").write_text("\n".join(tables))
+        (out / f"{card_name()}_drafter_step_static_profile.txt").write_text("\n".join(tables))
     if args.e2e:
         try:
             e2e(dev, res, out, args.e2e_rows.split(","), profile_steps=args.profile_steps)
@@ -422,8 +426,8 @@ def main() -> int:
         tables.append(f"== {name}: 20 rounds\n" + p.key_averages().table(sort_by="cpu_time_total", row_limit=15))
         print(tables[-1])
     table = "\n".join(tables)
-    (out / "h200_drafter_step.json").write_text(json.dumps(res, indent=1))
-    (out / "h200_drafter_step_profile.txt").write_text(table)
+    (out / f"{card_name()}_drafter_step.json").write_text(json.dumps(res, indent=1))
+    (out / f"{card_name()}_drafter_step_profile.txt").write_text(table)
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import platform
+import re
 import statistics
 from typing import Callable
 
@@ -47,6 +48,15 @@ def device_info() -> dict:
     else:
         info["cpu_threads"] = torch.get_num_threads()
     return info
+
+
+def card_name() -> str:
+    """A short name for result files: the GPU's model ("h200", "h100", as benchmarks/gpu.sh names
+    them), else "gpu" or "cpu"."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    m = re.search(r"\b([A-Z]\d{2,4})\b", torch.cuda.get_device_name(0))
+    return m.group(1).lower() if m else "gpu"
 
 
 def time_cuda(fn: Callable[[], object], *, iters: int = 50, repeats: int = 5, warmup: int = 3) -> dict:

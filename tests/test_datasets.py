@@ -101,8 +101,23 @@ def test_bad_json_and_paths(tmp_path):
     (tmp_path / "c.csv").write_text("a,b\n")
     with pytest.raises(SpecdecError, match=r"unsupported prompt file type '.csv'"):
         load_conversations(str(tmp_path / "c.csv"))
-    with pytest.raises(SpecdecError, match=r"no such prompt source: nope; .* sharegpt, mt-bench, humaneval"):
+    with pytest.raises(SpecdecError, match=r"no such prompt source: nope; .* sharegpt, mt-bench, humaneval, gsm8k"):
         load_conversations("nope")
+
+
+def test_local_records_carry_a_category(tmp_path):
+    recs = [{"id": "a", "prompt": "p", "category": "math"}, {"id": "b", "prompt": "q"},
+            {"id": "c", "prompt": "r", "category": 3}]
+    convs = load_conversations(write_jsonl(tmp_path / "c.jsonl", recs))
+    assert [c.category for c in convs] == ["math", None, None]  # only a non-empty string counts
+    assert Conversation.from_json(convs[0].to_json()).category == "math"
+
+
+def test_builtins_name_a_digest_and_a_licence():
+    for src in datasets.BUILTINS.values():
+        assert len(src.sha256) == 64 and int(src.sha256, 16) >= 0, src.name
+        assert src.licence, src.name
+    assert "MIT" in datasets.BUILTINS["humaneval"].licence
 
 
 def test_limit_is_seeded_and_prefix_stable(tmp_path):
@@ -145,11 +160,20 @@ def fake_builtins(tmp_path, monkeypatch):
             for i in range(3)
         )
     )
+    # HumanEval's layout: gzip JSONL of task_id, prompt, entry_point, canonical_solution, test
     with gzip.open(raw / "HumanEval.jsonl.gz", "wt") as f:
-        f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f(x):\n", "entry_point": "f"}) + "\n")
+        for n, name in enumerate(["f", "has_close_elements"]):
+            f.write(json.dumps({"task_id": f"HumanEval/{n}", "prompt": f"def {name}(x):\n    \"\"\"Doc.\"\"\"\n",
+                                "entry_point": name, "canonical_solution": "    return x\n",
+                                "test": "def check(candidate):\n    assert candidate(1) == 1\n"}) + "\n")
+        f.write("\n")
+    (raw / "test.jsonl").write_text("".join(
+        json.dumps({"question": f"What is {n} + 1?", "answer": f"{n} + 1 = <<{n}+1={n + 1}>>{n + 1}\n#### {n + 1}"})
+        + "\n" for n in range(2)))
     calls = []
 
-    def fake_fetch(part):
+    def fake_fetch(part, sha256=None):
+        assert sha256 == next(b.sha256 for b in datasets.BUILTINS.values() if b.file == part)  # always checked
         calls.append(part.package)
         return raw / part.member.rsplit("/", 1)[-1]
 
@@ -166,9 +190,20 @@ def test_builtin_converters_and_cache(fake_builtins):
     assert [c.id for c in mt] == ["mt-bench/81", "mt-bench/82", "mt-bench/83"]
     assert mt[0].messages == [{"role": "user", "content": "t1-0"}] and mt[0].followups == ["t2-0"]
     assert mt[0].meta["category"] == "writing"
+    assert mt[0].category == "writing"
     he = load_conversations("humaneval")
-    assert he[0].id == "HumanEval/0" and "```python\ndef f(x):\n```" in he[0].messages[0]["content"]
-    assert he[0].meta["entry_point"] == "f"
+    assert [c.id for c in he] == ["HumanEval/0", "HumanEval/1"]
+    assert he[0].messages == [{"role": "user", "content": datasets.HUMANEVAL_INSTRUCTION.format(
+        prompt='def f(x):\n    """Doc."""\n')}]
+    assert "```python\ndef has_close_elements(x):" in he[1].messages[0]["content"]
+    assert [c.category for c in he] == ["code", "code"] and he[1].meta["entry_point"] == "has_close_elements"
+    assert not he[0].followups
+    gsm = load_conversations("gsm8k")
+    assert [c.id for c in gsm] == ["gsm8k/0", "gsm8k/1"]
+    assert gsm[1].messages == [{"role": "user", "content": "What is 1 + 1?"}]
+    assert gsm[1].category == "math" and gsm[1].meta["answer"] == "2"
+    meta = json.loads(datasets._meta_path("humaneval").read_text())
+    assert meta["count"] == 2 and meta["sha256"] == datasets.BUILTINS["humaneval"].sha256
     assert datasets.dataset_path("mt-bench").is_file()
     n = len(fake_builtins)
     load_conversations("mt-bench")
@@ -196,6 +231,16 @@ def test_real_mtbench():
     assert len(convs) == 80
     assert all(len(c.messages) == 1 and len(c.followups) == 1 for c in convs)
     assert convs[0].id == "mt-bench/81"
+    assert {c.category for c in convs} == {"writing", "roleplay", "reasoning", "math", "coding", "extraction",
+                                            "stem", "humanities"}
+
+
+@pytest.mark.slow
+def test_real_gsm8k():
+    convs = load_conversations("gsm8k")
+    assert len(convs) == 1_319
+    assert convs[0].id == "gsm8k/0" and convs[0].messages[0]["content"].startswith("Janet")
+    assert convs[0].meta["answer"] == "18" and {c.category for c in convs} == {"math"}
 
 
 @pytest.mark.slow
@@ -204,3 +249,4 @@ def test_real_humaneval():
     assert len(convs) == 164
     assert convs[163].id == "HumanEval/163"
     assert "def " in convs[0].messages[0]["content"]
+    assert {c.category for c in convs} == {"code"}

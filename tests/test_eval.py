@@ -175,3 +175,56 @@ def test_eval_and_serve_build_the_fast_path_where_it_applies(tiny_dirs, monkeypa
     # off unless given.
     assert engine("eval", "--pack-weights").fast.kernel_config.pack_weights
     assert not engine("serve", "--max-model-len", "96").fast.kernel_config.pack_weights
+
+
+def test_eval_per_category_rows_add_up_to_the_whole(tmp_path, tiny_dirs, capsys):
+    """Prompts of two categories give two rows (sorted), whose counters sum to the overall ones and
+    whose acceptance lengths, weighted by drafts, give the overall mean; the table shows them."""
+    p = tmp_path / "p.jsonl"
+    recs = [{"id": "w1", "prompt": "abc abc abc abc", "category": "writing"},
+            {"id": "m1", "prompt": "1 2 3 1 2 3 1 2 3", "category": "math"},
+            {"id": "w2", "prompt": "the cat sat on the mat, the cat", "category": "writing"}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    argv = ["eval", "--target", tiny_dirs["llama"], "--ngram", "2", "--k", "3", "--prompts", p,
+            "--max-new-tokens", "16", "--device", "cpu"]
+    rc, out, err = run_cli(argv + ["--json"], capsys)
+    assert rc == 0, err
+    r = json.loads(out)
+    rows = r["per_category"]
+    assert [(row["category"], row["num_prompts"]) for row in rows] == [("math", 1), ("writing", 2)]
+    for key in ("num_drafts", "num_accepted_tokens", "num_draft_tokens", "new_tokens"):
+        assert sum(row[key] for row in rows) == r[key], key
+    assert [sum(col) for col in zip(*(row["accepted_per_position"] for row in rows))] == r["accepted_per_position"]
+    assert all(len(row["per_position_acceptance"]) == 3 for row in rows)
+    drafts = r["num_drafts"]
+    assert drafts > 0 and all(row["num_drafts"] > 0 for row in rows)
+    assert sum(row["num_drafts"] * row["mean_acceptance_length"] for row in rows) / drafts == pytest.approx(
+        r["mean_acceptance_length"])
+    for i, a in enumerate(r["per_position_acceptance"]):
+        assert sum(row["num_drafts"] * row["per_position_acceptance"][i] for row in rows) / drafts == pytest.approx(a)
+    # the per-prompt rows of each category are that category's prompts
+    by_id = {row["id"]: row for row in r["per_prompt"]}
+    assert rows[1]["num_drafts"] == by_id["w1"]["num_drafts"] + by_id["w2"]["num_drafts"]
+
+    from specdec.diagnose.report import acceptance_blocks
+
+    assert [n for n, _ in acceptance_blocks(r)] == ["measured", "category math", "category writing"]
+
+    rc, out, err = run_cli(argv + ["--no-progress"], capsys)
+    assert rc == 0, err
+    assert "by category" in out and "math" in out and "writing" in out
+    assert f"{rows[0]['mean_acceptance_length']:.2f}" in out.split("by category", 1)[1]
+
+
+def test_by_category_is_empty_without_categories_and_keeps_the_uncategorized():
+    from types import SimpleNamespace
+
+    from specdec.evaluate import UNCATEGORIZED, by_category
+
+    res = SimpleNamespace(num_drafts=2, drafted=6, accepted=3, accepted_per_position=[2, 1, 0], new_tokens=8,
+                          seconds=1.0, num_steps=3)
+    plain = SimpleNamespace(meta={})
+    assert by_category([plain, [{"role": "user", "content": "x"}]], [res, res], k=3) == []
+    rows = by_category([SimpleNamespace(meta={"category": "code"}), plain], [res, res], k=3)
+    assert [row["category"] for row in rows] == [UNCATEGORIZED, "code"]
+    assert rows[1]["mean_acceptance_length"] == pytest.approx(2.5) and rows[1]["num_prompts"] == 1

@@ -10,6 +10,11 @@ vLLM's Prometheus counters would give over the same requests:
     acceptance_rate            = accepted / drafted
     tokens_per_s               = new tokens / generation seconds, summed over prompts
 
+When the prompts carry categories (MT-Bench's, HumanEval's "code", a local record's "category"),
+`per_category` holds the same summary per category, sorted by name, with `num_prompts`: a mean
+hides a drafter that is strong on writing and weak on math. Counters add up, so the overall
+figures are the per-category ones weighted by `num_drafts`.
+
 With `compare_plain`, each prompt also runs without drafting (same engine class, same target),
 right after its speculative run, and `speedup` = tokens_per_s / plain_tokens_per_s. Under greedy
 decoding speculative output must equal plain output; the mismatches are counted so a lossless
@@ -142,6 +147,27 @@ def summarize(results, k: int | None = None) -> dict:
     }
 
 
+def category_of(conversation) -> str | None:
+    """A conversation's category, or None (plain message lists and uncategorized records)."""
+    meta = getattr(conversation, "meta", None)
+    return meta.get("category") if isinstance(meta, dict) else None
+
+
+UNCATEGORIZED = "(none)"
+
+
+def by_category(conversations, results, k: int | None = None) -> list[dict]:
+    """`summarize` per category of `conversations` (paired with `results`), sorted by category;
+    empty when none carries a category. Prompts without one, next to some that have one, form
+    their own row, so the rows always cover every prompt."""
+    groups: dict[str, list] = {}
+    for c, r in zip(conversations, results):
+        groups.setdefault(category_of(c) or UNCATEGORIZED, []).append(r)
+    if list(groups) == [UNCATEGORIZED]:
+        return []
+    return [{"category": name, "num_prompts": len(rs), **summarize(rs, k)} for name, rs in sorted(groups.items())]
+
+
 def evaluate(engine, tokenizer, conversations, *, max_new_tokens: int, compare_plain: bool = False,
              progress: bool = True, params=None, warmup: bool = True) -> dict:
     """Run `engine` over the first user turn of each conversation; returns the summary dict.
@@ -205,6 +231,9 @@ def evaluate(engine, tokenizer, conversations, *, max_new_tokens: int, compare_p
             for i, (c, r) in enumerate(zip(conversations, results))
         ],
     }
+    per_category = by_category(conversations, results, k)
+    if per_category:
+        out["per_category"] = per_category
     if tree is not None:
         out["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens}
     if plain_results is not None:

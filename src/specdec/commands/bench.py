@@ -43,7 +43,8 @@ def register(subparsers) -> None:
                    help="registry name, local HF folder or .gguf (default: smollm2-135m-instruct)")
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter folder (adds the EAGLE-3 rows)")
     p.add_argument("--prompts", default="mt-bench",
-                   help="built-in set (mt-bench, humaneval, sharegpt) or a .json/.jsonl file (default: mt-bench)")
+                   help="built-in set (mt-bench, humaneval, gsm8k, sharegpt) or a .json/.jsonl file "
+                        "(default: mt-bench)")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="number of prompts (default: 10 on a GPU, 3 on CPU)")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="per prompt (default: 256)")

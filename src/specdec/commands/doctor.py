@@ -51,7 +51,8 @@ def register(subparsers) -> None:
                    help="the capture the drafter was trained on (default: the one train recorded, if it is still "
                         "there): recompute a few samples' aux states with the target now and compare")
     p.add_argument("--checks-only", action="store_true", help="static checks only (no model runs)")
-    p.add_argument("--prompts", default="mt-bench", help="prompt source (default: mt-bench)")
+    p.add_argument("--prompts", default="mt-bench",
+                   help="mt-bench (default), humaneval, gsm8k, sharegpt, or a .json/.jsonl file of conversations")
     p.add_argument("--limit", type=int, default=12,
                    help="at most this many prompts; doctor stops sooner once the answer is clear (default: 12)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per prompt (default: 48)")

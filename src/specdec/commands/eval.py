@@ -14,6 +14,8 @@ first user turn of each prompt and sum its per-step counters. Prints per-positio
 (P(at least i+1 drafts accepted), as vLLM's accepted_tokens_per_pos), mean acceptance length
 (tokens per target pass that drafted), acceptance rate, drafts, tok/s and, with
 --compare-plain, plain-decoding tok/s on the same prompts and the speedup. Greedy by default.
+Where the prompts have categories (MT-Bench's eight, HumanEval's "code", GSM8K's "math", a
+"category" field in your own records) the same acceptance figures follow per category.
 The engine is `specdec bench`'s: the fast path (static KV cache, CUDA graphs) on a CUDA GPU and
 for bf16 targets of 50M+ parameters on a CPU (compiled by inductor first, seconds to a minute),
 else the reference engine; --reference asks for the reference engine.
@@ -21,6 +23,7 @@ else the reference engine; --reference asks for the reference engine.
 examples:
   specdec eval --target smollm2-135m-instruct --drafter runs/quickstart/train/drafter --limit 10
   specdec eval --target smollm2-135m-instruct --ngram 3 --prompts mt-bench --compare-plain
+  specdec eval --target smollm2-135m-instruct --drafter DIR --prompts humaneval --limit 20
   specdec eval --target smollm2-135m-instruct --drafter DIR --tree-depth 6 --tree-top-k 8 --json > eval.json
   specdec report eval.json -o reports/eval
   specdec eval --target tiny-llama --ngram 2 --limit 2 --max-new-tokens 16   # CPU-tiny, random weights
@@ -32,7 +35,7 @@ def register(subparsers) -> None:
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(p, fast_path=True)
     p.add_argument("--prompts", default="mt-bench", metavar="SOURCE",
-                   help="mt-bench (default), humaneval, sharegpt, or a .json/.jsonl file of conversations")
+                   help="mt-bench (default), humaneval, gsm8k, sharegpt, or a .json/.jsonl file of conversations")
     p.add_argument("--limit", type=int, metavar="N", help="evaluate a random sample of N prompts (seeded)")
     p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="per prompt (default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -43,7 +46,8 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (per_position_acceptance, mean_acceptance_length, "
-                        "acceptance_rate, num_drafts, k, tokens_per_s, ...) for `specdec report`")
+                        "acceptance_rate, num_drafts, k, tokens_per_s, per_category where the prompts "
+                        "have categories, ...) for `specdec report`")
     p.set_defaults(func=run)
 
 
@@ -99,6 +103,22 @@ def print_table(result: dict, title: str, file=None) -> None:
     Console(file=file or sys.stdout).print(table)
 
 
+def print_category_table(result: dict, file=None) -> None:
+    """One row per prompt category: prompts, drafts, mean acceptance length, per-position acceptance."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="by category")
+    for name in ("category", "prompts", "drafts", "mean acceptance length"):
+        table.add_column(name, justify="left" if name == "category" else "right")
+    table.add_column("% accepted by position", no_wrap=True)  # one line per category
+    for row in result["per_category"]:
+        table.add_row(row["category"], str(row["num_prompts"]), str(row["num_drafts"]),
+                      f"{row['mean_acceptance_length']:.2f}",
+                      " ".join(f"{100 * a:3.0f}" for a in row["per_position_acceptance"]))
+    Console(file=file or sys.stdout).print(table)
+
+
 def run(args) -> int:
     from ..data.datasets import load_conversations
     from ..engine.api import SamplingParams
@@ -139,4 +159,6 @@ def run(args) -> int:
     sampling = "greedy" if args.temperature <= 0 else f"T={args.temperature}"
     print_table(result, f"{args.target} + {what}, {args.prompts} ({result['num_prompts']} prompts), "
                         f"{shape}, {sampling}, {result['engine']} engine")
+    if result.get("per_category"):
+        print_category_table(result)
     return 0

@@ -227,6 +227,9 @@ def run(args) -> int:
         "device": str(target.device),
         "dtype": dtype_name(target.dtype), "engine": engine_kind(engine),
         "questions": result["num_prompts"], "questions_skipped": result.get("skipped_prompts", 0),
+        "per_category": [{key: row[key] for key in ("category", "num_prompts", "num_drafts", "mean_acceptance_length",
+                                                   "per_position_acceptance")}
+                         for row in result.get("per_category", [])],
         "seconds": {k: round(v, 1) for k, v in timings.items()},
     }
     print(json.dumps(line))

@@ -19,7 +19,7 @@ requests in flight, retries with exponential backoff on connection errors, 429 a
 Output: one JSON line per finished conversation, fsynced:
   {"id", "messages", "target", "finish_reason", "new_tokens", "finish_reasons"}
 Rerunning the same command resumes: finished ids are skipped and a line torn by a kill is
-dropped. Prompt sources: sharegpt, mt-bench, humaneval, a local .json/.jsonl, or self.
+dropped. Prompt sources: sharegpt, mt-bench, humaneval, gsm8k, a local .json/.jsonl, or self.
 
 --prompts self: the target writes the prompts too (the Magpie method): it is shown only its chat
 template's user-turn header and samples a user message, --limit of them, which are filtered (length,
@@ -48,7 +48,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--target", metavar="T", help="registry name, HF folder or .gguf (in-process mode)")
     p.add_argument("--prompts", required=True, metavar="SOURCE",
-                   help="sharegpt, mt-bench, humaneval, a local .json/.jsonl file, or self (the target "
+                   help="sharegpt, mt-bench, humaneval, gsm8k, a local .json/.jsonl file, or self (the target "
                         "writes the prompts; needs --limit)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="JSONL to append to (resumed)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="random sample of N conversations")

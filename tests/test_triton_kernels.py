@@ -131,6 +131,12 @@ def test_kernel_steps_build_configs_and_tag_results():
     back = kernel_step("sbs=32", wide, tags)
     assert back == shipped and tags["sbs"] == ""
     assert kernel_step("check", shipped, tags) is None and kernel_step("nope=1", shipped, tags) is None
+    # Values a kernel cannot take are refused where the config is built.
+    from specdec.errors import SpecdecError
+
+    for step in ("rows=17", "sbs=48", "bs=8"):
+        with pytest.raises(SpecdecError, match="rows_max|power of two"):
+            kernel_step(step, shipped, tags)
 
 
 def test_split_argmax_matches_argmax():

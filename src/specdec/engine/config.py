@@ -14,8 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
+# The rows kernel pads a step's tokens to this many columns of the tensor cores' narrow operand
+# (gemv.py's TP), so it takes at most this many rows.
+ROWS_KERNEL_MAX = 16
+
+
 @dataclass(frozen=True)
 class KernelConfig:
+    """The fast path's kernel settings (the shipped values are the defaults); invalid values are
+    refused here, where they are built, rather than inside a kernel."""
+
     # Steps of 2..rows_max tokens (verification) run their products through the rows kernel
     # instead of cuBLAS (0: cuBLAS for every step of more than one token).
     rows_max: int = 16
@@ -45,6 +53,18 @@ class KernelConfig:
     # kernels: larger steps (trees, prefill chunks) keep the compiled attention, whose products
     # suit many rows.
     attention_max_rows: int = 32
+
+    def __post_init__(self):
+        from ..errors import SpecdecError
+
+        if not 0 <= self.rows_max <= ROWS_KERNEL_MAX:
+            raise SpecdecError(f"rows_max must be 0..{ROWS_KERNEL_MAX} (the rows kernel's width), got {self.rows_max}")
+        for name in ("attention_block", "attention_step_block", "attention_combine_chunk"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):  # a Triton block: a power of two, tensor-core sized
+                raise SpecdecError(f"{name} must be a power of two of at least 16, got {v}")
+        if self.attention_max_rows < 0 or self.glu_fold_max_bytes < 0 or self.pack_min_bytes < 0:
+            raise SpecdecError("attention_max_rows, glu_fold_max_bytes and pack_min_bytes must not be negative")
 
     def with_step(self, step: str) -> "KernelConfig | None":
         """This config with one benchmark plan step NAME=VALUE applied (a name in STEPS), or None

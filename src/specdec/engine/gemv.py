@@ -37,7 +37,7 @@ import os
 import torch
 
 from ..models.cpu_products import few_row_linear
-from .config import KernelConfig
+from .config import ROWS_KERNEL_MAX, KernelConfig
 
 try:  # Triton comes with CUDA builds of torch; CPU-only installs have it from the dev extra or not at all
     import triton
@@ -221,13 +221,13 @@ if triton is not None:
             flags = dict(NORM=norm, RESIDUAL=residual, GLU=glu, **layout)
         elif packed:  # the packed rows kernel's blocks are the layout's own
             args = (w, x, y, g, r, n, t, eps, k)
-            flags = dict(TP=16, NORM=norm, RESIDUAL=residual, UPCAST=not x.is_cuda, **layout)
+            flags = dict(TP=ROWS_KERNEL_MAX, NORM=norm, RESIDUAL=residual, UPCAST=not x.is_cuda, **layout)
             kernel = _rows_packed_tuned if x.is_cuda else _rows_packed_kernel
             wrap_triton(kernel)[(n // layout["LBN"],)](*args, **flags)
             return y
         else:
             tuned, plain, args = _rows_tuned[more], _rows_kernel, (w, x, y, g, r, n, t, eps, k)
-            flags = dict(TP=16, NORM=norm, RESIDUAL=residual, UPCAST=not x.is_cuda)
+            flags = dict(TP=ROWS_KERNEL_MAX, NORM=norm, RESIDUAL=residual, UPCAST=not x.is_cuda)
         # Block sizes are tuned per shape on the GPU; the interpreter has no timer to tune with.
         if x.is_cuda:
             wrap_triton(tuned)[grid](*args, **flags)

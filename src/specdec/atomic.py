@@ -75,38 +75,47 @@ def append_jsonl(f: IO[str], record: dict) -> None:
     os.fsync(f.fileno())
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Every record of a JSONL file. The one line a kill can tear, the last one when it has no
-    newline, is dropped; any other line that is not a JSON object in UTF-8 is an error naming the
-    file and line, never a silent end of the data."""
+def jsonl_values(path: str | os.PathLike, *, torn_ok: bool = True) -> Iterator[tuple[int, object]]:
+    """(line number, value) of every non-blank line of a JSONL file, read line by line (a
+    capture's index or a prompt set can be large). A line that is not JSON in UTF-8 is an error
+    naming the file and line; with `torn_ok` (files specdec appends to), the last line when it
+    has no newline, the one a kill can tear, is skipped with a note instead."""
     from .errors import SpecdecError
 
-    path = Path(path)
-    if not path.exists():
-        return []
-    records = []
-    with open(path, "rb") as f:  # line by line: a capture's index or a prompt set can be large
+    with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
-            torn = not raw.endswith(b"\n")  # only the last line can lack its newline
+            torn = torn_ok and not raw.endswith(b"\n")  # only the last line can lack its newline
             if not raw.strip():
                 continue
             try:
-                record = json.loads(raw.decode("utf-8"))
+                value = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError as e:
                 if torn:
-                    _torn(path, n)
-                    break
+                    _torn(Path(path), n)
+                    return
                 raise SpecdecError(f"{path}, line {n}: not valid UTF-8 (byte {e.start + 1}); fix or delete that "
                                    f"line, then rerun") from None
             except ValueError as e:  # JSONDecodeError, or an integer too long to convert
                 if torn:
-                    _torn(path, n)
-                    break
+                    _torn(Path(path), n)
+                    return
                 raise SpecdecError(f"{path}, line {n}: not valid JSON ({e}); expected one JSON object per line: "
                                    f"fix or delete that line, then rerun") from None
-            if not isinstance(record, dict):
-                raise SpecdecError(f"{path}, line {n}: a JSON {type(record).__name__}, expected an object")
-            records.append(record)
+            yield n, value
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Every record of a JSONL file specdec appends to (`jsonl_values`: a torn last line is
+    dropped, any other broken line is an error); a line that is not an object is an error too."""
+    from .errors import SpecdecError
+
+    if not Path(path).exists():
+        return []
+    records = []
+    for n, record in jsonl_values(path):
+        if not isinstance(record, dict):
+            raise SpecdecError(f"{path}, line {n}: a JSON {type(record).__name__}, expected an object")
+        records.append(record)
     return records
 
 

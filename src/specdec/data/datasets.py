@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from ..atomic import atomic_open, read_jsonl
+from ..atomic import atomic_open, jsonl_values, read_jsonl
 from ..errors import SpecdecError
 from ..fetch import WheelFile, cache_dir, fetch, file_lock
 
@@ -209,24 +209,11 @@ def _read_local(path: Path) -> list[Conversation]:
         raise SpecdecError(f"no such prompt file: {path}")
     convs = []
     if path.suffix.lower() == ".jsonl":
-        with open(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise SpecdecError(f"{path}, line {n}: not valid UTF-8 (byte {e.start + 1}); fix or delete "
-                                       f"that line") from None
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError as e:  # JSONDecodeError, or an integer too long to convert
-                    raise SpecdecError(
-                        f"{path}, line {n}: not valid JSON ({e}); expected one JSON object per line"
-                    ) from None
-                c = _parse_record(rec, f"{path}, line {n}")
-                if c:
-                    convs.append(c)
+        # A user's file, not one specdec appends to: a last line without its newline is read too.
+        for n, rec in jsonl_values(path, torn_ok=False):
+            c = _parse_record(rec, f"{path}, line {n}")
+            if c:
+                convs.append(c)
     elif path.suffix.lower() == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))

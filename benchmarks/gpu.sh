@@ -88,7 +88,7 @@ decode8b() {
   done
 }
 smollm2() {
-  run 80 python3 benchmarks/smollm2.py --out "$OUT" --tag "${DEV}_smollm2_steps" --budget-s 60 \
+  run 120 python3 benchmarks/smollm2.py --out "$OUT" --tag "${DEV}_smollm2_steps" --budget-s 90 \
     --plan "hf;default:1,8;sbs=64;default:8;sbs=128;default:8;sbs=32;e2e"
 }
 drafter_step() { run 330 python3 benchmarks/drafter_step.py --static-only --e2e --rounds 100 --out "$OUT"; }

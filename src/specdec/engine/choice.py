@@ -13,9 +13,8 @@ import torch
 
 from ..errors import SpecdecError
 from ..models.target import Target
-from .engine import SpeculativeEngine
-
 from .config import FastConfig
+from .engine import SpeculativeEngine
 from .fast import FastEngine
 from .static_layers import check_supported
 

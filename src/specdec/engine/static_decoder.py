@@ -102,7 +102,7 @@ class FastDecoder:
 
         `coordinate_descent` sets inductor's coordinate_descent_tuning, which also turns every
         matrix-vector product (one token) into a tuned Triton reduction instead of a cuBLAS GEMV.
-        `gemv` routes the products of steps of up to kernels.rows_max tokens through gemv.py's
+        `gemv` routes the products of steps of up to kernel_config.rows_max tokens through gemv.py's
         Triton kernels instead, each RMSNorm and residual add folded into its product (None:
         wherever Triton runs, i.e. on CUDA), and `attention_kernel` (None: as `gemv`) the attention
         of steps that fit decode_attention.py's kernels through them. `kernel_config` (None: the

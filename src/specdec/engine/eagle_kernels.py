@@ -67,14 +67,6 @@ class KernelLayer:
     def _linear(self, x, w):
         return gemv.gemv_linear(x, w, None, self.kernels)
 
-    def _norm_linear(self, x, g, w):
-        k, eps = self.kernels, self.eps
-        return gemv.rms_linear(x, g, eps, w, k) if gemv.folds(x, w, k) else self._linear(rms_norm(x, g, eps), w)
-
-    def _add_linear(self, residual, x, w):
-        k = self.kernels
-        return gemv.linear_add(x, w, residual, k) if gemv.folds(x, w, k) else residual + self._linear(x, w)
-
     def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, tm: torch.Tensor,
                  aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [1, T], hidden [1, T, 3tH] (aux: the target's states) or [1, T, H] (recycled), pos [T]
@@ -96,13 +88,13 @@ class KernelLayer:
         self.kv[:, :, pos] = torch.stack((k, v.view(T, nkv, hd))).transpose(1, 2)
         block, chunk = decode_attention.settings(self.kernels, T)  # the op ropes q:
         att = decode_attention.decode_attention(qkv, cos, sin, self.kv, pos, tm, nh, hd**-0.5, block, chunk)
-        h = self._add_linear(residual, att, self.wo)
+        h = gemv.add_linear(residual, att, self.wo, self.kernels)
         if gemv.fused_one_token(h, self.wgu) and gemv.folds_glu(self.wgu, self.kernels):
             act = gemv.rms_glu_linear(h, self.ln2, eps, self.wgu)
         else:
-            gate, up = self._norm_linear(h, self.ln2, self.wgu).chunk(2, dim=-1)
+            gate, up = gemv.norm_linear(h, self.ln2, eps, self.wgu, self.kernels).chunk(2, dim=-1)
             act = F.silu(gate) * up
-        h = self._add_linear(h, act, self.wd)
-        logits = self._norm_linear(h, self.norm_w, self.lm_w)
+        h = gemv.add_linear(h, act, self.wd, self.kernels)
+        logits = gemv.norm_linear(h, self.norm_w, eps, self.lm_w, self.kernels)
         out = rms_norm(h, self.norm_w, eps) if self.norm_output else h
         return out[None], logits[None]

@@ -38,6 +38,7 @@ import torch
 
 from ..models.cpu_products import few_row_linear
 from .config import ROWS_KERNEL_MAX, KernelConfig
+from .layer_math import rms_norm
 
 try:  # Triton comes with CUDA builds of torch; CPU-only installs have it from the dev extra or not at all
     import triton
@@ -341,6 +342,24 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, ke
     n = out_features(weight)
     y = gemv_add(_rows(x), weight, residual.reshape(-1, n).contiguous(), kernels.rows_more_configs)
     return y.view(*x.shape[:-1], n)
+
+
+def norm_linear(x: torch.Tensor, g: torch.Tensor, eps: float, weight: torch.Tensor, kernels: KernelConfig
+                ) -> torch.Tensor:
+    """`F.linear(rms_norm(x, g, eps), weight)`, the norm folded into the product where `folds`;
+    for every caller that runs its products on these kernels (the target's layer and head, the
+    drafter's kernel layer)."""
+    if folds(x, weight, kernels):
+        return rms_linear(x, g, eps, weight, kernels)
+    return gemv_linear(rms_norm(x, g, eps), weight, None, kernels)
+
+
+def add_linear(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, kernels: KernelConfig
+               ) -> torch.Tensor:
+    """`residual + F.linear(x, weight)`, the add folded into the product's store where `folds`."""
+    if folds(x, weight, kernels):
+        return linear_add(x, weight, residual, kernels)
+    return residual + gemv_linear(x, weight, None, kernels)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

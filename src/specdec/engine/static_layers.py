@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 from ..errors import SpecdecError
 from ..models.cpu_products import few_row_linear
-from .gemv import (folds, folds_glu, fused_one_token, gemv_linear, linear_add, pack, pack_layout,
-                   rms_glu_linear, rms_linear)
+from .gemv import add_linear as kernel_add_linear
+from .gemv import folds_glu, fused_one_token, gemv_linear, pack, pack_layout, rms_glu_linear
+from .gemv import norm_linear as kernel_norm_linear
 from .config import KernelConfig
 from .layer_math import rms_norm, rotate_half
 from . import decode_attention
@@ -134,14 +135,14 @@ def make_layer_fn(s: Shapes, gemv: bool = False, attention_kernel: bool | None =
         return gemv_linear(x, w, b, kernels) if gemv else few_row_linear(x, w, b)
 
     def norm_linear(x, ln, w, b):
-        if gemv and folds(x, w, kernels):
-            y = rms_linear(x, ln, eps, w, kernels)
-            return y if b is None else y + b
-        return linear(rms_norm(x, ln, eps), w, b)
+        if not gemv:
+            return few_row_linear(rms_norm(x, ln, eps), w, b)
+        y = kernel_norm_linear(x, ln, eps, w, kernels)
+        return y if b is None else y + b
 
     def add_linear(residual, x, w, b):
-        if gemv and b is None and folds(x, w, kernels):
-            return linear_add(x, w, residual, kernels)
+        if gemv and b is None:
+            return kernel_add_linear(residual, x, w, kernels)
         return residual + linear(x, w, b)
 
     def attention(qkv, qn, kn, kv, cos, sin, slots, mask, tm):
@@ -215,10 +216,8 @@ def make_head_fn(s: Shapes, gemv: bool = False, kernels: KernelConfig = KernelCo
     eps = s.eps
 
     def head(x, norm_w, lm_w):
-        if gemv and folds(x, lm_w, kernels):
-            logits = rms_linear(x, norm_w, eps, lm_w, kernels)
-        elif gemv:
-            logits = gemv_linear(rms_norm(x, norm_w, eps), lm_w, None, kernels)  # shape: [T, V]
+        if gemv:
+            logits = kernel_norm_linear(x, norm_w, eps, lm_w, kernels)  # shape: [T, V]
         else:
             logits = few_row_linear(rms_norm(x, norm_w, eps), lm_w)
         return logits, split_argmax(logits) if gemv else logits.argmax(dim=-1)

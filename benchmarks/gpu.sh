@@ -8,7 +8,8 @@
 #                     caches off; PACK=1: the packed weight layout
 #   smollm2           SmolLM2-shaped steps against HF eager (random weights)
 #   drafter-step      one drafting round on the Triton kernels against inductor's; engine steps
-#   train-throughput  `specdec train` tokens/s on SmolLM2 shapes; BEFORE=DIR: an older src tree first
+#   train-throughput  `specdec train` tokens/s, eager against compiled, on SmolLM2 and 8B drafter shapes;
+#                     BEFORE=DIR: an older src tree first (SmolLM2 shapes)
 #   regen-throughput  BatchDecoder against HF generate, real SmolLM2 on ShareGPT          (staged)
 #   quickstart        `specdec quickstart` on the GPU defaults; each call resumes it; once it ends,
 #                     its drafter comes home in pieces of < 16 MiB                          (staged)
@@ -99,7 +100,9 @@ train_throughput() {  # BEFORE=DIR (carried): that src tree first, tagged before
     tag=after
     run 200 env PYTHONPATH="$BEFORE${PYTHONPATH#src}" python3 benchmarks/train_throughput.py --tag before --out "$OUT"
   fi
-  run 200 python3 benchmarks/train_throughput.py --tag "$tag" --out "$OUT"
+  run 300 python3 benchmarks/train_throughput.py --tag "$tag" --out "$OUT"
+  run 240 python3 benchmarks/train_throughput.py --tag "$tag" --out "$OUT" --shapes 8b --samples 300 --steps 40 \
+    --rows eager,compiled --profile-steps 0
 }
 regen_throughput() {
   need "$GGUF" "$DATA/sharegpt.jsonl"

@@ -1,22 +1,31 @@
 """Drafter training throughput of `specdec train` itself, data path and evaluations included.
 
-A SmolLM2-135M-shaped target (random bf16 weights, built on the device, no download) and a
-synthetic capture written by the capture store (ShareGPT-like lengths: a 20-170 token prompt and
-an answer of up to 256 tokens, random hidden states), trained with the GPU quickstart's settings
-(4,096 tokens per batch, TTT 7, draft vocab 16,384, lr 1e-3) for a fixed number of optimizer
-steps. Rows:
+A target with random bf16 weights (built on the device, no download) and a synthetic capture
+written by the capture store (ShareGPT-like lengths: a 20-170 token prompt and an answer of up to
+256 tokens, random hidden states), trained for a fixed number of optimizer steps with the GPU
+quickstart's settings (4,096 tokens per batch, TTT 7, lr 1e-3). Shapes (--shapes):
 
-  steps      no held-out evaluation, no checkpoints: the training step and its data path
-  quickstart with `specdec train`'s defaults: held-out evaluation every 100 steps, a checkpoint
-             every 200
+  smollm2    SmolLM2-135M's drafter, draft vocab 16,384 (the GPU quickstart's)
+  8b         a Llama-3.1-8B drafter: hidden 4,096, target vocab 128,256, draft vocab 32,000; the
+             target has 4 layers, since only its width, head and embedding enter the drafter's step
 
-Each row reports tokens/s and ms per step as `train` measures them (the summary's rate), and
-MFU against the H200's dense bf16 peak (989 TFLOP/s), FLOPs counted as in throughput_8b.py.
-Then a torch.profiler table of a few steps: device busy time against wall time, the top ops.
+Rows:
+
+  eager      no held-out evaluation, no checkpoints, the loss run op by op (train --no-compile)
+  compiled   the same with the TTT loss compiled (train's default on a GPU); the first steps wait
+             for the compiler, and the rate counts them
+  quickstart compiled, with `specdec train`'s defaults: held-out evaluation every 100 steps, a
+             checkpoint every 200
+
+Each row reports tokens/s as `train` measures it (the summary's rate), the last step's loss (equal
+seeds and data: the rows must agree), and MFU against Hopper's dense bf16 peak (989 TFLOP/s, the
+H100 SXM's and the H200's), FLOPs counted as in throughput_8b.py. Then a torch.profiler table of
+a few compiled steps: device busy time against wall time, the top ops.
 
   python benchmarks/train_throughput.py --out $OUT
+  python benchmarks/train_throughput.py --out $OUT --shapes 8b --samples 300 --steps 40 --rows eager,compiled
   PYTHONPATH=/tmp/old/src python benchmarks/train_throughput.py --out $OUT --tag before   # another tree
-  python benchmarks/train_throughput.py --cpu-size --samples 200 --steps 60 --rows steps
+  python benchmarks/train_throughput.py --cpu-size --samples 200 --steps 60 --rows eager
 """
 
 from __future__ import annotations
@@ -29,19 +38,19 @@ from pathlib import Path
 
 import torch
 
-from specdec.bench.roofline import random_model, smollm2_135m_config
+from specdec.bench.roofline import card_name, llama31_8b_config, random_model, smollm2_135m_config
 from specdec.capture.store import CaptureStore, add_shard, open_or_create_manifest, write_shard
 from specdec.models.target import Target
 from specdec.models.tiny import tiny_config
 from specdec.train.data import OfflineSource
 from specdec.train.loop import TrainConfig, train
 
-H200_BF16_PEAK = 989.4e12
+HOPPER_BF16_PEAK = 989.4e12
 
 
-def synthetic_capture(directory: Path, cfg, n: int, g: torch.Generator) -> CaptureStore:
+def synthetic_capture(directory: Path, cfg, n: int, g: torch.Generator, aux_layer_ids: list[int]) -> CaptureStore:
     H, V = cfg.hidden_size, cfg.vocab_size
-    identity = {"target_fingerprint": "random", "aux_layer_ids": [2, 15, 27], "layer_convention": "eagle",
+    identity = {"target_fingerprint": "random", "aux_layer_ids": aux_layer_ids, "layer_convention": "eagle",
                 "last_state": "pre_norm", "hidden_size": H, "tokenizer_fingerprint": "none", "dtype": "bfloat16",
                 "max_length": 2048}
     open_or_create_manifest(directory, identity)
@@ -79,7 +88,8 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=1200)
     ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--rows", default="steps,quickstart")
+    ap.add_argument("--rows", default="eager,compiled,quickstart")
+    ap.add_argument("--shapes", choices=["smollm2", "8b"], default="smollm2")
     ap.add_argument("--profile-steps", type=int, default=12)
     ap.add_argument("--tag", default="this tree")
     ap.add_argument("--cpu-size", action="store_true",
@@ -92,49 +102,62 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     dev = "cuda" if torch.cuda.is_available() and not (args.tiny or args.cpu_size) else "cpu"
-    cfg = tiny_config("llama", vocab_size=512) if args.tiny else smollm2_135m_config()
+    if args.tiny:
+        cfg = tiny_config("llama", vocab_size=512)
+    elif args.shapes == "8b":
+        cfg = llama31_8b_config()
+        cfg.num_hidden_layers = 4
+    else:
+        cfg = smollm2_135m_config()
     model = random_model(cfg, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
-    target = Target(model, None, name="smollm2-shapes", aux_layer_ids=[2, cfg.num_hidden_layers // 2,
-                                                                       cfg.num_hidden_layers - 3])
-    vocab, steps = (128, 20) if args.tiny else (16384, args.steps)
+    n_layers = cfg.num_hidden_layers
+    aux = [1, 2, 3] if n_layers <= 4 else [2, n_layers // 2, n_layers - 3]
+    target = Target(model, None, name=f"{args.shapes}-shapes", aux_layer_ids=aux)
+    vocab = 128 if args.tiny else 32000 if args.shapes == "8b" else 16384
+    steps = 20 if args.tiny else args.steps
     batch_tokens, ttt = 4096, 7
     if args.cpu_size:
         vocab, batch_tokens, ttt = 2048, 256, 4
     work = Path(tempfile.mkdtemp(prefix="train_tp_"))
     t = time.perf_counter()
     n = 120 if args.tiny else args.samples
-    store = synthetic_capture(work / "capture", cfg, n, torch.Generator().manual_seed(0))
+    store = synthetic_capture(work / "capture", cfg, n, torch.Generator().manual_seed(0), aux)
     lengths = store.lengths()
     print(f"[{args.tag}] capture: {len(store)} samples, {sum(lengths):,} tokens ({time.perf_counter() - t:.0f} s)",
           flush=True)
     ctx = sum(m * m / 2 for m in lengths) / sum(lengths)
     fpt = flops_per_token(cfg, ttt, vocab, ctx)
-    results = []
     for row in args.rows.split(","):
         evals = dict(eval_every=100, save_every=200) if row == "quickstart" else dict(eval_every=10**9,
                                                                                      save_every=10**9)
         tc = TrainConfig(out=str(work / row), epochs=100.0, max_steps=steps, lr=1e-3, batch_tokens=batch_tokens,
-                         ttt_steps=ttt, draft_vocab_size=vocab, **evals)
+                         ttt_steps=ttt, draft_vocab_size=vocab, compile=row != "eager", **evals)
         if row != "quickstart":
             tc.eval_percent = 0.0
-        s = train(target, OfflineSource(store), tc, target_name="smollm2-shapes", progress=False)
+        t = time.perf_counter()
+        s = train(target, OfflineSource(store), tc, target_name=target.name, progress=False)
         tok_s = s["tokens_per_s"]
-        mfu = tok_s * fpt / H200_BF16_PEAK if dev == "cuda" else None  # the peak is the H200's
-        r = {"tag": args.tag, "row": row, "device": dev, "steps": s["steps"], "tokens_per_s": tok_s,
-             "flops_per_token": fpt, "mfu": mfu}
-        results.append(r)
-        print(f"[{args.tag}] {row}: {tok_s:,.0f} tok/s over {s['steps']} steps"
-              + (f", MFU {mfu:.1%}" if mfu is not None else "") + f" ({fpt / 1e9:.2f} GFLOP per token)", flush=True)
+        mfu = tok_s * fpt / HOPPER_BF16_PEAK if dev == "cuda" else None
+        r = {"tag": args.tag, "row": row, "shapes": args.shapes, "device": dev, "card": card_name(),
+             "steps": s["steps"], "tokens_per_s": tok_s, "last_loss": s.get("last_loss"),
+             "wall_s": time.perf_counter() - t, "flops_per_token": fpt, "mfu": mfu}
+        if args.out:  # row by row: a run stopped at its time limit keeps what it measured
+            with open(Path(args.out) / f"{card_name()}_train_throughput.jsonl", "a") as f:
+                f.write(json.dumps(r) + "\n")
+        print(f"[{args.tag}] {args.shapes} {row}: {tok_s:,.0f} tok/s over {s['steps']} steps, last loss "
+              f"{r['last_loss']:.4f}" + (f", MFU {mfu:.1%}" if mfu is not None else "")
+              + f" ({fpt / 1e9:.2f} GFLOP per token, {r['wall_s']:.0f} s in all)", flush=True)
     if args.profile_steps and dev == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
         tc = TrainConfig(out=str(work / "profile"), epochs=100.0, max_steps=args.profile_steps, lr=1e-3,
-                         batch_tokens=4096, ttt_steps=7, draft_vocab_size=vocab, eval_every=10**9,
+                         batch_tokens=batch_tokens, ttt_steps=ttt, draft_vocab_size=vocab, eval_every=10**9,
                          save_every=10**9, eval_percent=0.0)
+        train(target, OfflineSource(store), tc, target_name=target.name, progress=False)  # compiled before
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
-            train(target, OfflineSource(store), tc, target_name="smollm2-shapes", progress=False)
+            train(target, OfflineSource(store), tc, target_name=target.name, progress=False)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
         ka = prof.key_averages()
@@ -143,11 +166,6 @@ def main() -> None:
               f"included): wall {wall:.2f} s, device busy {busy:.2f} s", flush=True)
         print(ka.table(sort_by="self_device_time_total", row_limit=25), flush=True)
         print(ka.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
-    if args.out:
-        path = Path(args.out) / "train_throughput.jsonl"
-        with open(path, "a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

@@ -80,6 +80,57 @@ def test_training_learns_and_the_drafter_is_lossless(tiny, capture_dir, tmp_path
     assert out.token_ids == ref.token_ids
 
 
+def test_compiled_loss_is_one_graph_for_every_batch_shape_and_trains_as_eager(tiny, capture_dir, tmp_path,
+                                                                                 monkeypatch):
+    """The TTT loss traces whole (fullgraph: a graph break would raise) with symbolic sizes, so
+    batches of other rows and lengths reuse it; its loss and gradients are eager's. aot_eager runs
+    the same trace and autograd split as inductor without generating kernels (minutes on a CPU)."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    from specdec.train import loop
+    from specdec.train.drafter_init import make_drafter
+    from specdec.train.ttt import TargetArgmaxCache, TargetHead
+
+    target = load_target(tiny, device="cpu")
+    source = OfflineSource(CaptureStore(capture_dir))
+    cfg = TrainConfig(out=str(tmp_path / "x"), draft_vocab_size=64, ttt_steps=3)
+    drafter, _ = make_drafter(target, source, cfg, None)
+    head = TargetHead.from_target(target)
+    module = loop.DrafterTTT(drafter, head, 3, 0.8)
+    samples = TargetArgmaxCache(source, head, "cpu")  # as train() draws them: the target's argmax known
+    torch._dynamo.reset()
+    counters.clear()
+    fast = loop.compiled_loss(module, backend="aot_eager")
+    for rows in ([0, 1], [2, 3, 4], [5, 6, 7, 8, 9]):  # other rows, other lengths
+        inputs = loop._to(samples.get(rows), "cpu", torch.float32)
+        grads = []
+        for fn in (module, fast):
+            drafter.zero_grad()
+            loss, correct, _, counted = fn(*inputs)
+            loss.backward()
+            grads.append((loss.detach(), correct, [p.grad.clone() for p in drafter.parameters() if p.requires_grad]))
+        (l0, c0, g0), (l1, c1, g1) = grads
+        torch.testing.assert_close(l1, l0)
+        assert torch.equal(c1, c0)
+        for a, b in zip(g1, g0):
+            torch.testing.assert_close(a, b)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+    # Wired into train(): compile=True trains to eager's weights.
+    monkeypatch.setattr(loop, "compiled_loss", functools.partial(loop.compiled_loss, backend="aot_eager"))
+    runs = {}  # in fp32: under bf16 autocast the two round apart
+    for name, compile_ in (("eager", False), ("compiled", True)):
+        c = TrainConfig(out=str(tmp_path / name), max_steps=6, draft_vocab_size=64, batch_tokens=1024,
+                        ttt_steps=3, lr=3e-3, eval_every=10_000, bf16=False, compile=compile_)
+        runs[name] = train(target, source, c, progress=False)
+    assert runs["compiled"]["last_loss"] == pytest.approx(runs["eager"]["last_loss"], rel=1e-4)
+    a, b = _weights(tmp_path / "eager"), _weights(tmp_path / "compiled")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
 def _weights(path):
     return load_file(str(Path(path) / "drafter" / "model.safetensors"))
 

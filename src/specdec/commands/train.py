@@ -68,6 +68,9 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="matrix products (weights and AdamW stay fp32); auto: bf16 on a GPU and on CPUs "
                         "with native bf16 (AVX512-BF16/AMX), else fp32 (default: auto)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the TTT loss, forward and backward, into one graph (default: on a GPU; "
+                        "the first step then waits for the compiler)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     p.set_defaults(func=run)
 
@@ -134,7 +137,7 @@ def run(args) -> int:
                       max_steps=args.max_steps, rebuild_vocab=args.rebuild_vocab,
                       norm_before_residual=args.norm_before_residual, intermediate_size=args.intermediate_size,
                       init_layer=parse_init_layer(args.init_layer),
-                      bf16=None if args.dtype == "auto" else args.dtype == "bf16")
+                      bf16=None if args.dtype == "auto" else args.dtype == "bf16", compile=args.compile)
     summary = train(target, source, cfg, init=args.init, resume=args.resume, target_name=str(args.target))
     if int(os.environ.get("RANK", 0)) == 0:
         if args.json:

@@ -33,4 +33,7 @@ class TrainConfig:
     init_layer: str | int = "auto"
     init_embed_half: str = "zero"  # the query/key/value columns that read the token: "zero" or "copy"
     bf16: bool | None = None  # bf16 autocast; None: where precision.compute_dtype says bf16
+    # The TTT loss, forward and backward, as one compiled graph (train/loop.py, compiled_loss);
+    # None: on a GPU, where a step is otherwise thousands of small kernels launched from Python.
+    compile: bool | None = None
     extra: dict = field(default_factory=dict)

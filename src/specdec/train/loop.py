@@ -56,6 +56,19 @@ class DrafterTTT(nn.Module):
                 torch.tensor([w[0] for w in walks]), torch.tensor([w[1] for w in walks]))
 
 
+def compiled_loss(module: nn.Module, *, fullgraph: bool = True, backend: str = "inductor"):
+    """`module`'s forward (the TTT loss) compiled for every batch shape at once.
+
+    Eager, a step of a small drafter is bound by launching its kernels: the unrolled TTT steps,
+    their attention, the soft cross-entropy and their backward are thousands of small ops, each
+    dispatched through autograd and autocast. Compiled, the elementwise work fuses and the
+    dispatch leaves Python. Batches differ in rows and length, so the sizes are symbolic
+    (`dynamic=True`): one compilation serves every batch. `fullgraph`: a graph break is an error,
+    not a silent return to eager (DDP's own hooks need breaks, so a DDP module passes False).
+    """
+    return torch.compile(module, dynamic=True, fullgraph=fullgraph, backend=backend)
+
+
 def log(msg: str) -> None:
     if dist_env()[0] == 0:
         print(msg, file=sys.stderr, flush=True)
@@ -154,6 +167,8 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     wrapped = module
     if world > 1:
         wrapped = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None)
+    if cuda if cfg.compile is None else cfg.compile:
+        wrapped = compiled_loss(wrapped, fullgraph=world == 1)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), fused=cuda)
     per_epoch = len(global_batches(train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed, epoch=0))
@@ -193,6 +208,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     task = bar.add_task("train", total=total, completed=step, stats="")
     tokens_seen, t0 = 0, time.perf_counter()
     last_eval: dict = history[-1] if history else {}
+    last_loss = None
 
     def load(gb):
         samples = argmax_cache.get(gb[rank::world] or gb[:1])
@@ -200,8 +216,10 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
 
     def show(done):
         """A finished step's figures, read while the next step is already queued on a GPU."""
+        nonlocal last_loss
         at, loss, correct0, counted, gnorm, lr = done
         loss, counted = loss.item(), float(counted)
+        last_loss = loss
         acc0 = float(correct0) / counted if counted else 0.0
         rate = tokens_seen / max(1e-9, time.perf_counter() - t0)
         bar.update(task, completed=at, stats=f"loss {loss:.3f} acc0 {acc0:.2f} {rate:,.0f} tok/s")
@@ -260,7 +278,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     if world > 1:
         dist.barrier()
     summary = {"steps": step, "tokens_per_s": tokens_seen / max(1e-9, time.perf_counter() - t0),
-               "eval": last_eval, "matmul_dtype": dtype_name(dtype), **info}
+               "last_loss": last_loss, "eval": last_eval, "matmul_dtype": dtype_name(dtype), **info}
     if rank == 0:
         from ..models.formats import save_drafter
 

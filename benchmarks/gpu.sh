@@ -8,8 +8,8 @@
 #                     caches off; PACK=1: the packed weight layout
 #   smollm2           SmolLM2-shaped steps against HF eager (random weights)
 #   drafter-step      one drafting round on the Triton kernels against inductor's; engine steps
-#   train-throughput  `specdec train` tokens/s, eager against compiled, on SmolLM2 and 8B drafter shapes;
-#                     BEFORE=DIR: an older src tree first (SmolLM2 shapes)
+#   train-throughput  `specdec train` tokens/s, eager against compiled, on SmolLM2's drafter (SHAPES=8b: a
+#                     Llama-3.1-8B drafter's shapes)
 #   regen-throughput  BatchDecoder against HF generate, real SmolLM2 on ShareGPT          (staged)
 #   quickstart        `specdec quickstart` on the GPU defaults; each call resumes it; once it ends,
 #                     its drafter comes home in pieces of < 16 MiB                          (staged)
@@ -94,15 +94,12 @@ smollm2() {
 }
 drafter_step() { run 330 python3 benchmarks/drafter_step.py --static-only --e2e --rounds 100 --out "$OUT"; }
 headline() { DEADLINE=$(($(date +%s) + ${HEADLINE_S:-570})); decode8b; smollm2; drafter_step; }
-train_throughput() {  # BEFORE=DIR (carried): that src tree first, tagged before; this one after
-  local tag="this tree"
-  if [ -n "${BEFORE:-}" ]; then
-    tag=after
-    run 200 env PYTHONPATH="$BEFORE${PYTHONPATH#src}" python3 benchmarks/train_throughput.py --tag before --out "$OUT"
+train_throughput() {  # SHAPES=8b: a Llama-3.1-8B drafter's shapes
+  local shapes=(--shapes "${SHAPES:-smollm2}")
+  if [ "${SHAPES:-}" = 8b ]; then
+    shapes+=(--samples 300 --steps 40 --rows eager,compiled,compiled-warm --profile-steps 0)
   fi
-  run 300 python3 benchmarks/train_throughput.py --tag "$tag" --out "$OUT"
-  run 240 python3 benchmarks/train_throughput.py --tag "$tag" --out "$OUT" --shapes 8b --samples 300 --steps 40 \
-    --rows eager,compiled --profile-steps 0
+  run 540 python3 benchmarks/train_throughput.py --out "$OUT" "${shapes[@]}"
 }
 regen_throughput() {
   need "$GGUF" "$DATA/sharegpt.jsonl"

@@ -125,6 +125,7 @@ def test_compiled_loss_is_one_graph_for_every_batch_shape_and_trains_as_eager(ti
         c = TrainConfig(out=str(tmp_path / name), max_steps=6, draft_vocab_size=64, batch_tokens=1024,
                         ttt_steps=3, lr=3e-3, eval_every=10_000, bf16=False, compile=compile_)
         runs[name] = train(target, source, c, progress=False)
+    assert runs["compiled"]["compiled"] and not runs["eager"]["compiled"]
     assert runs["compiled"]["last_loss"] == pytest.approx(runs["eager"]["last_loss"], rel=1e-4)
     a, b = _weights(tmp_path / "eager"), _weights(tmp_path / "compiled")
     for k in a:

@@ -69,8 +69,8 @@ def register(subparsers) -> None:
                    help="matrix products (weights and AdamW stay fp32); auto: bf16 on a GPU and on CPUs "
                         "with native bf16 (AVX512-BF16/AMX), else fp32 (default: auto)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the TTT loss, forward and backward, into one graph (default: on a GPU; "
-                        "the first step then waits for the compiler)")
+                   help="compile the TTT loss, forward and backward, into one graph: faster steps on a GPU "
+                        "after minutes of compiling (default: on a GPU for runs of 10,000 steps or more)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     p.set_defaults(func=run)
 

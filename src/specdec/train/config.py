@@ -33,7 +33,10 @@ class TrainConfig:
     init_layer: str | int = "auto"
     init_embed_half: str = "zero"  # the query/key/value columns that read the token: "zero" or "copy"
     bf16: bool | None = None  # bf16 autocast; None: where precision.compute_dtype says bf16
-    # The TTT loss, forward and backward, as one compiled graph (train/loop.py, compiled_loss);
-    # None: on a GPU, where a step is otherwise thousands of small kernels launched from Python.
+    # The TTT loss, forward and backward, as one compiled graph (train/loop.py, compiled_loss).
+    # A compiled step is faster on a GPU, where an eager one launches thousands of small kernels
+    # from Python, but the compiler first takes minutes; None: on a GPU for runs that have at least
+    # compile_min_steps steps left, where the faster steps repay them (BENCHMARKS.md, training).
     compile: bool | None = None
+    compile_min_steps: int = 10_000
     extra: dict = field(default_factory=dict)

@@ -65,8 +65,11 @@ def compiled_loss(module: nn.Module, *, fullgraph: bool = True, backend: str = "
     dispatch leaves Python. Batches differ in rows and length, so the sizes are symbolic
     (`dynamic=True`): one compilation serves every batch. `fullgraph`: a graph break is an error,
     not a silent return to eager (DDP's own hooks need breaks, so a DDP module passes False).
+    Inductor's coalescing analysis for tiling asserts on some of this graph's symbolic sizes
+    (it is meant for static shapes), so it is off here, for this function only.
     """
-    return torch.compile(module, dynamic=True, fullgraph=fullgraph, backend=backend)
+    options = {"triton.coalesce_tiling_analysis": False} if backend == "inductor" else None
+    return torch.compile(module, dynamic=True, fullgraph=fullgraph, backend=backend, options=options)
 
 
 def log(msg: str) -> None:
@@ -167,8 +170,6 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     wrapped = module
     if world > 1:
         wrapped = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None)
-    if cuda if cfg.compile is None else cfg.compile:
-        wrapped = compiled_loss(wrapped, fullgraph=world == 1)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), fused=cuda)
     per_epoch = len(global_batches(train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed, epoch=0))
@@ -184,6 +185,9 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         step, history = state["step"], state.get("history", [])
         info["resumed_from"] = str(ckpt)
         log(f"specdec train: resuming from {ckpt} (step {step}/{total})")
+    info["compiled"] = cuda and total - step >= cfg.compile_min_steps if cfg.compile is None else cfg.compile
+    if info["compiled"]:
+        wrapped = compiled_loss(wrapped, fullgraph=world == 1)
     bf16 = compute_dtype(device) == torch.bfloat16 if cfg.bf16 is None else cfg.bf16
     dtype = torch.bfloat16 if bf16 else torch.float32
 

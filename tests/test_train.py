@@ -80,11 +80,12 @@ def test_training_learns_and_the_drafter_is_lossless(tiny, capture_dir, tmp_path
     assert out.token_ids == ref.token_ids
 
 
-def test_compiled_loss_is_one_graph_for_every_batch_shape_and_trains_as_eager(tiny, capture_dir, tmp_path,
-                                                                                 monkeypatch):
-    """The TTT loss traces whole (fullgraph: a graph break would raise) with symbolic sizes, so
-    batches of other rows and lengths reuse it; its loss and gradients are eager's. aot_eager runs
-    the same trace and autograd split as inductor without generating kernels (minutes on a CPU)."""
+def test_compiled_steps_are_one_graph_each_for_every_step_and_batch_shape_and_train_as_eager(
+        tiny, capture_dir, tmp_path, monkeypatch):
+    """The TTT step's functions trace whole (fullgraph: a graph break would raise) with symbolic
+    sizes and the step's slot as a tensor, so every later step and every batch of other rows and
+    length reuse one graph per function; losses and gradients are eager's. aot_eager runs the same
+    trace and autograd split as inductor without generating kernels (minutes on a CPU)."""
     import functools
 
     from torch._dynamo.utils import counters
@@ -95,20 +96,21 @@ def test_compiled_loss_is_one_graph_for_every_batch_shape_and_trains_as_eager(ti
 
     target = load_target(tiny, device="cpu")
     source = OfflineSource(CaptureStore(capture_dir))
-    cfg = TrainConfig(out=str(tmp_path / "x"), draft_vocab_size=64, ttt_steps=3)
+    cfg = TrainConfig(out=str(tmp_path / "x"), draft_vocab_size=64, ttt_steps=4)
     drafter, _ = make_drafter(target, source, cfg, None)
     head = TargetHead.from_target(target)
-    module = loop.DrafterTTT(drafter, head, 3, 0.8)
-    samples = TargetArgmaxCache(source, head, "cpu")  # as train() draws them: the target's argmax known
+    eager = loop.DrafterTTT(drafter, head, 4, 0.8)
     torch._dynamo.reset()
     counters.clear()
-    fast = loop.compiled_loss(module, backend="aot_eager")
-    for rows in ([0, 1], [2, 3, 4], [5, 6, 7, 8, 9]):  # other rows, other lengths
+    fast = loop.DrafterTTT(drafter, head, 4, 0.8, fns=loop.compiled_steps(backend="aot_eager"))
+    samples = TargetArgmaxCache(source, head, "cpu")  # as train() draws them: the target's argmax known
+    graphs = []
+    for rows in ([0, 1], [2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13], [14, 15, 16], [17, 18]):  # other rows, lengths
         inputs = loop._to(samples.get(rows), "cpu", torch.float32)
         grads = []
-        for fn in (module, fast):
+        for module in (eager, fast):
             drafter.zero_grad()
-            loss, correct, _, counted = fn(*inputs)
+            loss, correct, _, counted = module(*inputs)
             loss.backward()
             grads.append((loss.detach(), correct, [p.grad.clone() for p in drafter.parameters() if p.requires_grad]))
         (l0, c0, g0), (l1, c1, g1) = grads
@@ -116,10 +118,11 @@ def test_compiled_loss_is_one_graph_for_every_batch_shape_and_trains_as_eager(ti
         assert torch.equal(c1, c0)
         for a, b in zip(g1, g0):
             torch.testing.assert_close(a, b)
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [3] * len(graphs), graphs  # first step, later steps, loss: compiled once, for all
 
     # Wired into train(): compile=True trains to eager's weights.
-    monkeypatch.setattr(loop, "compiled_loss", functools.partial(loop.compiled_loss, backend="aot_eager"))
+    monkeypatch.setattr(loop, "compiled_steps", functools.partial(loop.compiled_steps, backend="aot_eager"))
     runs = {}  # in fp32: under bf16 autocast the two round apart
     for name, compile_ in (("eager", False), ("compiled", True)):
         c = TrainConfig(out=str(tmp_path / name), max_steps=6, draft_vocab_size=64, batch_tokens=1024,

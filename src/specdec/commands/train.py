@@ -68,9 +68,9 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="matrix products (weights and AdamW stay fp32); auto: bf16 on a GPU and on CPUs "
                         "with native bf16 (AVX512-BF16/AMX), else fp32 (default: auto)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the TTT loss, forward and backward, into one graph: faster steps on a GPU "
-                        "after minutes of compiling (default: on a GPU for runs of 10,000 steps or more)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the TTT step (one graph for every step and batch shape): faster steps on a "
+                        "GPU after a first step that waits minutes for the compiler; for long runs")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     p.set_defaults(func=run)
 

@@ -299,13 +299,17 @@ class Eagle3Drafter(nn.Module):
                             device or p.device, dtype or p.dtype)
 
 
-def ttt_attention(q, k0, v0, extra_k: list, extra_v: list, pad_mask: torch.Tensor | None = None):
+def ttt_attention(q, k0, v0, step_k: torch.Tensor | None = None, step_v: torch.Tensor | None = None,
+                  live: torch.Tensor | None = None):
     """Training-time-test attention without materialising a [T, kT] matrix.
 
     Query t of step s sees the step-0 keys <= t (causal) plus, for each later step j <= s, the
     key that step j computed at the same position t: exactly what inference sees when the
-    drafter extends its own draft. `pad_mask` is bool [B, T] (True = real token). Grouped
-    query heads are broadcast, never copied.
+    drafter extends its own draft. Those later keys come stacked, `step_k` / `step_v`
+    [B, kvh, T, S, hd], with `live` bool [S] saying which of the S slots hold a step's key yet:
+    a fixed number of slots keeps every step's shapes the same (train/ttt.py compiles one step
+    and runs it for all), and a slot not yet live gets no weight. Grouped query heads are
+    broadcast, never copied.
     """
     b, nh, t, hd = q.shape
     kvh = k0.shape[1]
@@ -315,15 +319,11 @@ def ttt_attention(q, k0, v0, extra_k: list, extra_v: list, pad_mask: torch.Tenso
     scores = (qg * scale) @ k0.unsqueeze(2).transpose(-1, -2)  # shape: [B, kvh, rep, T, T]
     causal = torch.full((t, t), float("-inf"), device=q.device, dtype=scores.dtype).triu(1)
     scores = scores + causal
-    if pad_mask is not None:
-        scores = scores.masked_fill(~pad_mask[:, None, None, None, :], float("-inf"))
-    if extra_k:
-        ek = torch.stack(extra_k, -2).unsqueeze(2)  # shape: [B, kvh, 1, T, s, hd]
-        diag = (qg.unsqueeze(-2) * scale * ek).sum(-1)  # shape: [B, kvh, rep, T, s]
-        probs = torch.softmax(torch.cat([scores, diag], -1), -1)
-        out = probs[..., :t] @ v0.unsqueeze(2)  # shape: [B, kvh, rep, T, hd]
-        ev = torch.stack(extra_v, -2).unsqueeze(2)  # shape: [B, kvh, 1, T, s, hd]
-        out = out + (probs[..., t:].unsqueeze(-1) * ev).sum(-2)
-    else:
-        out = torch.softmax(scores, -1) @ v0.unsqueeze(2)
+    if step_k is None:
+        return (torch.softmax(scores, -1) @ v0.unsqueeze(2)).reshape(b, nh, t, hd)
+    diag = (qg.unsqueeze(-2) * scale * step_k.unsqueeze(2)).sum(-1)  # shape: [B, kvh, rep, T, S]
+    diag = diag.masked_fill(~live, float("-inf"))
+    probs = torch.softmax(torch.cat([scores, diag], -1), -1)
+    out = probs[..., :t] @ v0.unsqueeze(2)  # shape: [B, kvh, rep, T, hd]
+    out = out + (probs[..., t:].unsqueeze(-1) * step_v.unsqueeze(2)).sum(-2)
     return out.reshape(b, nh, t, hd)

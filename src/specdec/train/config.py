@@ -33,10 +33,8 @@ class TrainConfig:
     init_layer: str | int = "auto"
     init_embed_half: str = "zero"  # the query/key/value columns that read the token: "zero" or "copy"
     bf16: bool | None = None  # bf16 autocast; None: where precision.compute_dtype says bf16
-    # The TTT loss, forward and backward, as one compiled graph (train/loop.py, compiled_loss).
-    # A compiled step is faster on a GPU, where an eager one launches thousands of small kernels
-    # from Python, but the compiler first takes minutes; None: on a GPU for runs that have at least
-    # compile_min_steps steps left, where the faster steps repay them (BENCHMARKS.md, training).
-    compile: bool | None = None
-    compile_min_steps: int = 10_000
+    # The TTT step's functions compiled (train/ttt.py, TTTSteps; train/loop.py, compiled_steps):
+    # faster steps on a GPU, where an eager step launches thousands of small kernels from Python,
+    # after the compiler's first minutes. Off unless asked for (BENCHMARKS.md, training).
+    compile: bool = False
     extra: dict = field(default_factory=dict)

@@ -31,24 +31,26 @@ from .config import TrainConfig
 from .data import global_batches, is_heldout, step_batches
 from .drafter_init import copy_target_embedding, make_drafter
 from .prefetch import Prefetch
-from .ttt import Batch, TargetArgmaxCache, TargetHead, ttt_loss, walk_acceptance
+from .ttt import EAGER, Batch, TargetArgmaxCache, TargetHead, TTTSteps, ttt_loss, walk_acceptance
 
 
 class DrafterTTT(nn.Module):
     """The drafter plus its TTT loss as one module, so DDP sees a plain forward."""
 
     def __init__(self, drafter: Eagle3Drafter, head: TargetHead, steps: int, decay: float,
-                 feature_weight: float = 0.0):
+                 feature_weight: float = 0.0, fns: TTTSteps = EAGER):
         super().__init__()
         self.drafter = drafter
         self.head = head  # not a parameter or buffer: frozen, never synchronised
         self.steps, self.decay, self.feature_weight = steps, decay, feature_weight
+        self.fns = fns  # the per-step functions, eager or compiled
 
     def forward(self, input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax=None, walk=False):
         """(loss, correct, step_correct, counted), and with `walk` the engine's walk over the batch
         at k = steps and k = 5 as tokens [2] and steps [2] (`walk_acceptance`)."""
         out = ttt_loss(self.drafter, Batch(input_ids, loss_mask, aux_hidden, last_hidden, valid, target_argmax),
-                       self.head, steps=self.steps, decay=self.decay, feature_weight=self.feature_weight, walk=walk)
+                       self.head, steps=self.steps, decay=self.decay, feature_weight=self.feature_weight, walk=walk,
+                       fns=EAGER if walk else self.fns)  # evaluation's no-grad graphs would compile apart
         if not walk:
             return out.loss, out.correct, out.step_correct, out.counted
         walks = [walk_acceptance(out.depth, out.starts, k) for k in (self.steps, 5)]
@@ -56,20 +58,13 @@ class DrafterTTT(nn.Module):
                 torch.tensor([w[0] for w in walks]), torch.tensor([w[1] for w in walks]))
 
 
-def compiled_loss(module: nn.Module, *, fullgraph: bool = True, backend: str = "inductor"):
-    """`module`'s forward (the TTT loss) compiled for every batch shape at once.
-
-    Eager, a step of a small drafter is bound by launching its kernels: the unrolled TTT steps,
-    their attention, the soft cross-entropy and their backward are thousands of small ops, each
-    dispatched through autograd and autocast. Compiled, the elementwise work fuses and the
-    dispatch leaves Python. Batches differ in rows and length, so the sizes are symbolic
-    (`dynamic=True`): one compilation serves every batch. `fullgraph`: a graph break is an error,
-    not a silent return to eager (DDP's own hooks need breaks, so a DDP module passes False).
-    Inductor's coalescing analysis for tiling asserts on some of this graph's symbolic sizes
-    (it is meant for static shapes), so it is off here, for this function only.
-    """
+def compiled_steps(backend: str = "inductor") -> TTTSteps:
+    """The TTT step's functions compiled (`train --compile`): every step and every batch shape
+    runs one graph each (sizes symbolic, `dynamic=True`); a graph break is an error, not a silent
+    return to eager. Inductor's coalescing analysis for tiling asserts on some symbolic sizes (it
+    is meant for static shapes), so it is off here, for these functions only."""
     options = {"triton.coalesce_tiling_analysis": False} if backend == "inductor" else None
-    return torch.compile(module, dynamic=True, fullgraph=fullgraph, backend=backend, options=options)
+    return TTTSteps().compiled(dynamic=True, fullgraph=True, backend=backend, options=options)
 
 
 def log(msg: str) -> None:
@@ -185,9 +180,9 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         step, history = state["step"], state.get("history", [])
         info["resumed_from"] = str(ckpt)
         log(f"specdec train: resuming from {ckpt} (step {step}/{total})")
-    info["compiled"] = cuda and total - step >= cfg.compile_min_steps if cfg.compile is None else cfg.compile
-    if info["compiled"]:
-        wrapped = compiled_loss(wrapped, fullgraph=world == 1)
+    info["compiled"] = cfg.compile
+    if cfg.compile:
+        module.fns = compiled_steps()
     bf16 = compute_dtype(device) == torch.bfloat16 if cfg.bf16 is None else cfg.bf16
     dtype = torch.bfloat16 if bf16 else torch.float32
 

@@ -13,7 +13,9 @@ a dense signal per token where the cross-entropy gives one label, which matters 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -163,11 +165,14 @@ class TTTOutput:
 
 
 def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: int = 7,
-             decay: float = 0.8, feature_weight: float = 0.0, walk: bool = False) -> TTTOutput:
+             decay: float = 0.8, feature_weight: float = 0.0, walk: bool = False,
+             fns: TTTSteps | None = None) -> TTTOutput:
     """The TTT loss with the per-step accuracies used for the simulated acceptance length.
     `feature_weight` > 0 adds the feature loss (module docstring), relative squared error per token.
     With `walk`, also each position's accepted depth and whether a step may start there (for
-    walk_acceptance; only evaluation asks)."""
+    walk_acceptance; only evaluation asks). `fns`: the per-step functions (TTTSteps), eager by
+    default or compiled."""
+    fns = fns or EAGER
     raw = drafter.module if hasattr(drafter, "module") else drafter
     B, L = batch.input_ids.shape
     dev = batch.input_ids.device
@@ -192,18 +197,15 @@ def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: i
     base = torch.zeros_like(eligible)
     if feature_weight > 0:
         want = head.normed(batch.last_hidden)  # shape: [B, L, H]; scored where `needed`, as the CE
-    for s, (logits, out) in enumerate(ttt_unroll_states(raw, batch.input_ids, batch.aux_hidden, steps)):
+    for s, (logits, out) in enumerate(ttt_unroll_states(raw, batch.input_ids, batch.aux_hidden, steps, fns=fns)):
         n = L - 2 - s  # indices t < n have a target at t + 2 + s
         if n <= 0:
             correct.append(torch.zeros((), device=dev))
             step_correct.append(torch.zeros((), device=dev))
             continue
         m = scored[:, 2 + s : 2 + s + n]  # shape: [B, n]
-        w = m.float()
-        denom = w.sum().clamp(min=1.0)
-        logp = F.log_softmax(logits[:, :n].float(), -1)
-        ce = -(p_target[:, 1 + s : 1 + s + n] * logp).sum(-1)  # soft cross-entropy vs last_hidden[t+1+s]
-        loss = loss + (decay**s) * (ce * w).sum() / denom
+        # Soft cross-entropy against the target's distribution from last_hidden[t+1+s].
+        loss = loss + (decay**s) * fns.cross_entropy(logits[:, :n], p_target[:, 1 + s : 1 + s + n], m.float())
         if feature_weight > 0:
             fw = needed[:, 1 + s : 1 + s + n].float()
             tgt_h = want[:, 1 + s : 1 + s + n]
@@ -268,23 +270,104 @@ def ttt_unroll(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Te
         yield logits
 
 
+def first_step(raw: Eagle3Drafter, ids, aux_hidden, positions, logits_from: int = 0):
+    """Step 0: the layer over the target's states [B, L, 3tH], attending causally. Returns
+    (logits [B, L - logits_from, Vd], the layer's output before the final norm [B, L, H], the
+    hidden the next step reads, this step's keys and values [B, kvh, L, hd], which every later
+    step attends to causally)."""
+    kv = []
+
+    def attend(q, k, v):
+        kv.append((k, v))
+        return ttt_attention(q, k, v)
+
+    out = raw.layer(ids, raw.project_aux(aux_hidden.to(raw.fc.weight.dtype)), positions, attend)
+    hidden, logits = raw.head(out, logits_from)
+    (k, v), = kv
+    return logits, out, hidden, k, v
+
+
+def later_step(raw: Eagle3Drafter, ids, hidden, positions, k0, v0, step_k, step_v, slot, logits_from: int = 0):
+    """Step s >= 1: the layer over the last step's hidden, attending to step 0's keys causally and
+    to each step's key at the same position (ttt_attention). Its own key and value go into slot
+    `slot` = s - 1 of `step_k` / `step_v` [B, kvh, L, steps - 1, hd]; `slot` is a 0-dim tensor,
+    so every later step has the same shapes and, compiled, is one graph. Returns (logits, output,
+    next hidden, step_k, step_v with this step's slot filled)."""
+    kv = []
+
+    def attend(q, k, v):
+        slots = torch.arange(step_k.shape[3], device=k.device)
+        here = (slots == slot)[:, None]  # shape: [S, 1], against [..., S, hd]
+        # Contiguous, as the empty slots are: every later step then reads one layout.
+        sk = torch.where(here, k.unsqueeze(-2), step_k).contiguous()
+        sv = torch.where(here, v.unsqueeze(-2), step_v).contiguous()
+        kv.append((sk, sv))
+        return ttt_attention(q, k0, v0, sk, sv, slots <= slot)
+
+    out = raw.layer(ids, hidden, positions, attend)
+    hidden, logits = raw.head(out, logits_from)
+    (sk, sv), = kv
+    return logits, out, hidden, sk, sv
+
+
+def soft_cross_entropy(logits: torch.Tensor, p_target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Mean over the weighted positions of -sum(p_target * log_softmax(logits)): logits and
+    p_target [B, n, Vd], weight [B, n]."""
+    ce = -(p_target * F.log_softmax(logits.float(), -1)).sum(-1)
+    return (ce * weight).sum() / weight.sum().clamp(min=1.0)
+
+
+@dataclass(frozen=True)
+class TTTSteps:
+    """The pieces of the unroll that run once per TTT step, as one place to compile them: eager,
+    a small drafter's step is thousands of small kernels launched from Python. Compiled (with
+    symbolic sizes), each is one graph for every step and every batch shape, so the compiler
+    sees one step rather than the whole unroll (a seventh of the work for seven steps)."""
+
+    first: Callable = first_step
+    later: Callable = later_step
+    cross_entropy: Callable = soft_cross_entropy
+
+    def compiled(self, **options) -> "TTTSteps":
+        """These functions under `torch.compile(fn, **options)`, traced without duck sizing: it
+        makes sizes that happen to be equal on the first call one symbol (a batch of as many rows
+        as the drafter has key heads, a slice's offset equal to the vocab) and the next call that
+        parts them compiles again."""
+        from torch.fx.experimental import _config as shape_config
+
+        def build(fn):
+            compiled = torch.compile(fn, **options)
+
+            @functools.wraps(fn)
+            def run(*args):
+                with shape_config.patch(use_duck_shape=False):
+                    return compiled(*args)
+
+            return run
+
+        return TTTSteps(*(build(f) for f in (self.first, self.later, self.cross_entropy)))
+
+
+EAGER = TTTSteps()
+
+
 def ttt_unroll_states(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int,
-                      logits_from: int = 0):
+                      logits_from: int = 0, fns: TTTSteps = EAGER):
     """`ttt_unroll`, yielding (logits, the layer's output before the final norm [B, L, H]); the
     logits of indices logits_from.. only ([B, L - logits_from, Vd])."""
     B, L = input_ids.shape
-    hidden = raw.project_aux(aux_hidden.to(raw.fc.weight.dtype))  # shape: [B, L, H]
     positions = torch.arange(L, device=input_ids.device)[None].expand(B, L)
-    keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # each step's (k, v), [B, kvh, L, hd]
-
-    def attend(q, k, v):  # step 0's keys causally, then each later step's at the same position
-        keys.append((k, v))
-        (k0, v0), rest = keys[0], keys[1:]
-        return ttt_attention(q, k0, v0, [k for k, _ in rest], [v for _, v in rest])
-
+    slots = torch.arange(max(steps - 1, 1), device=input_ids.device)
     for s in range(steps):
         ids = torch.zeros_like(input_ids)
         ids[:, : max(0, L - 1 - s)] = input_ids[:, 1 + s :]  # token at t+1+s; shape: [B, L]
-        out = raw.layer(ids, hidden, positions + s, attend)
-        hidden, logits = raw.head(out, logits_from)  # shapes: [B, L, H], [B, L - logits_from, Vd]
+        if s == 0:
+            logits, out, hidden, k0, v0 = fns.first(raw, ids, aux_hidden, positions, logits_from)
+            # Empty slots, marked as needing gradients when training, like every later step's
+            # output: one kind of input for every later step (compiled, one graph).
+            step_k = k0.new_zeros(*k0.shape[:3], steps - 1, k0.shape[3]).requires_grad_(k0.requires_grad)
+            step_v = torch.zeros_like(step_k).requires_grad_(k0.requires_grad)  # shape: [B, kvh, L, S, hd]
+        else:
+            logits, out, hidden, step_k, step_v = fns.later(raw, ids, hidden, positions + s, k0, v0, step_k, step_v,
+                                                            slots[s - 1], logits_from)
         yield logits, out

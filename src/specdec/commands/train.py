@@ -20,6 +20,7 @@ examples:
   specdec train --target tiny-llama --data /tmp/cap -o /tmp/run --epochs 2 --draft-vocab-size 200
   specdec train --target smollm2-135m-instruct --data runs/smol/capture -o runs/smol/train
   specdec train --target smollm2-135m-instruct --online --data runs/smol/regen.jsonl -o runs/smol/train
+  specdec train ... --compile                         # a long run on a GPU: the TTT step compiled once
   specdec train ... --resume                          # after a crash or kill -9
   specdec train ... --init yuhuili-style-drafter/     # fine-tune, vocab mapping kept
   torchrun --nproc-per-node 2 -m specdec train --target T --data CAP -o OUT   # DDP (gloo on CPU)

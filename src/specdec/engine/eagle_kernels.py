@@ -3,7 +3,8 @@
 Compiled by inductor and captured in a CUDA graph, the drafter's layer still runs its products as
 cuBLAS GEMMs of one row and its attention over the whole preallocated cache under a mask; a round of
 a SmolLM2-sized drafter is much faster on these kernels (benchmarks/drafter_step.py).
-Here the layer is the target's layer recipe (engine/fast.py) with the drafter's two inputs:
+Here the layer is the drafter's one recipe (models/drafter_layer.py, which the modules run too) on
+fused weights, in the target's fast-path style (engine/fast.py):
 
     x = [input_layernorm(embed(token)) | hidden_norm(hidden)]        2H wide, the q/k/v product's input
     q/k/v in one product, keys roped into the cache, decode_attention over the live slots only
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.drafter import Eagle3Drafter
+from ..models.drafter_layer import DrafterLayerOps, drafter_layer
 from . import decode_attention, gemv
 from .config import KernelConfig
 from .layer_math import rms_norm, rotate_half
@@ -63,38 +65,58 @@ class KernelLayer:
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.norm_before_residual, self.norm_output = cfg.norm_before_residual, cfg.norm_output
+        self.ops = _ops(self, kernels)
 
     def _linear(self, x, w):
         return gemv.gemv_linear(x, w, None, self.kernels)
+
+    def _attention(self, qkv, pos, tm):
+        """Keys roped into the cache slots `pos`, values beside them; decode_attention ropes q itself
+        and attends over the live slots. qkv [T, (nh + 2 nkv) hd] -> [T, nh hd]."""
+        T = qkv.shape[0]
+        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        _, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        cos, sin = self.cos[pos], self.sin[pos]
+        k = k.view(T, nkv, hd)
+        k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+        self.kv[:, :, pos] = torch.stack((k, v.view(T, nkv, hd))).transpose(1, 2)
+        block, chunk = decode_attention.settings(self.kernels, T)
+        return decode_attention.decode_attention(qkv, cos, sin, self.kv, pos, tm, nh, hd**-0.5, block, chunk)
 
     def __call__(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, tm: torch.Tensor,
                  aux: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [1, T], hidden [1, T, 3tH] (aux: the target's states) or [1, T, H] (recycled), pos [T]
         positions = cache slots, tm [T, T] the causal mask as ints. Returns (hidden [1, T, H],
         logits [1, T, draft vocab]), as `Eagle3Drafter.head` does."""
-        T = ids.shape[1]
-        nh, nkv, hd, eps = self.heads, self.kv_heads, self.head_dim, self.eps
         h = hidden[0]
         if aux:
             h = self._linear(h, self.fc)
-        normed = rms_norm(h, self.ln_hidden, eps)
-        residual = normed if self.norm_before_residual else h
-        x = torch.cat([rms_norm(F.embedding(ids[0], self.embed), self.ln_in, eps), normed], dim=-1)
-        qkv = self._linear(x, self.wqkv)  # shape: [T, (nh + 2 nkv) hd]
-        _, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        cos, sin = self.cos[pos], self.sin[pos]
-        k = k.view(T, nkv, hd)
-        k = k * cos[:, None] + rotate_half(k) * sin[:, None]
-        self.kv[:, :, pos] = torch.stack((k, v.view(T, nkv, hd))).transpose(1, 2)
-        block, chunk = decode_attention.settings(self.kernels, T)  # the op ropes q:
-        att = decode_attention.decode_attention(qkv, cos, sin, self.kv, pos, tm, nh, hd**-0.5, block, chunk)
-        h = gemv.add_linear(residual, att, self.wo, self.kernels)
-        if gemv.fused_one_token(h, self.wgu) and gemv.folds_glu(self.wgu, self.kernels):
-            act = gemv.rms_glu_linear(h, self.ln2, eps, self.wgu)
-        else:
-            gate, up = gemv.norm_linear(h, self.ln2, eps, self.wgu, self.kernels).chunk(2, dim=-1)
-            act = F.silu(gate) * up
-        h = gemv.add_linear(h, act, self.wd, self.kernels)
-        logits = gemv.norm_linear(h, self.norm_w, eps, self.lm_w, self.kernels)
-        out = rms_norm(h, self.norm_w, eps) if self.norm_output else h
+        h = drafter_layer(ids[0], h, self.ops, lambda qkv: self._attention(qkv, pos, tm),
+                          norm_before_residual=self.norm_before_residual)
+        logits = gemv.norm_linear(h, self.norm_w, self.eps, self.lm_w, self.kernels)
+        out = rms_norm(h, self.norm_w, self.eps) if self.norm_output else h
         return out[None], logits[None]
+
+
+def _ops(k: KernelLayer, kernels: KernelConfig) -> DrafterLayerOps:
+    """The layer's products on `k`'s fused weights (drafter_layer.py has the recipe), each norm or
+    residual add folded into its product where the kernels take it. Built once, not per step; the
+    closures hold the weights, not the layer (no reference cycle keeping its cache alive)."""
+    embed, ln_in, ln_hidden, eps = k.embed, k.ln_in, k.ln_hidden, k.eps
+    wqkv, wo, ln2, wgu, wd = k.wqkv, k.wo, k.ln2, k.wgu, k.wd
+
+    def glu(h):  # SiLU(gate) * up in the gate/up product's store: one token, a small MLP
+        if gemv.fused_one_token(h, wgu) and gemv.folds_glu(wgu, kernels):
+            return gemv.rms_glu_linear(h, ln2, eps, wgu)
+        return None
+
+    return DrafterLayerOps(
+        embed=lambda ids: F.embedding(ids, embed),
+        input_layernorm=lambda e: rms_norm(e, ln_in, eps),
+        hidden_norm=lambda h: rms_norm(h, ln_hidden, eps),
+        qkv_proj=lambda x: gemv.gemv_linear(x, wqkv, None, kernels),  # shape: [T, (nh + 2 nkv) hd]
+        o_proj_add=lambda residual, o: gemv.add_linear(residual, o, wo, kernels),
+        gate_up=lambda h: gemv.norm_linear(h, ln2, eps, wgu, kernels).chunk(2, dim=-1),
+        down_add=lambda residual, act: gemv.add_linear(residual, act, wd, kernels),
+        glu=glu,
+    )

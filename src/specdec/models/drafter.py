@@ -28,6 +28,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from .drafter_layer import DrafterLayerOps, drafter_layer
+
 
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -174,7 +176,8 @@ def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
 
 
 class Eagle3Layer(nn.Module):
-    """The "midlayer": reads [input_layernorm(embedding), hidden_norm(hidden)]."""
+    """The "midlayer": reads [input_layernorm(embedding), hidden_norm(hidden)]. Its math is
+    `drafter_layer`'s (drafter_layer.py), run by `Eagle3Drafter.layer` on these modules."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -186,15 +189,10 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def attn_input(self, embeds, hidden):
-        """Returns (attention input [B, T, 2H], residual [B, T, H])."""
-        normed = self.hidden_norm(hidden)
-        residual = normed if self.cfg.norm_before_residual else hidden
-        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
-
-    def finish(self, attn_out, residual):
-        h = residual + attn_out
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def gate_up(self, h):
+        """(gate, up) of post_attention_layernorm(h), as LlamaMLP computes them."""
+        x = self.post_attention_layernorm(h)
+        return self.mlp.gate_proj(x), self.mlp.up_proj(x)
 
 
 class Eagle3Drafter(nn.Module):
@@ -278,20 +276,34 @@ class Eagle3Drafter(nn.Module):
         return self.head(self.layer(input_ids, hidden, position_ids, attend))
 
     def layer(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
-        """The drafter's one layer, written once: [input_layernorm(embedding), hidden_norm(hidden)]
-        -> attention -> MLP; returns the layer's output before the final norm [B, T, H]. Its callers
-        differ only in `attend(q, k, v)` (q [B, nh, T, hd], k and v [B, kvh, T, hd] of these rows;
-        returns [B, nh, T, hd]): inference over a KV cache (`forward`), a static drafter's cache
-        slots (`eagle_graph.py`), training-time test's unrolled attention (`train/ttt.py`).
+        """The drafter's one layer on its modules (`drafter_layer`, the recipe the kernels run too):
+        [input_layernorm(embedding), hidden_norm(hidden)] -> attention -> MLP; returns the layer's
+        output before the final norm [B, T, H]. Its callers differ only in `attend(q, k, v)` (q
+        [B, nh, T, hd], k and v [B, kvh, T, hd] of these rows, roped; returns [B, nh, T, hd]):
+        inference over a KV cache (`forward`), a static drafter's cache slots (`eagle_graph.py`),
+        training-time test's unrolled attention (`train/ttt.py`).
         `hidden`: target states [B, T, 3*tH] (projected by fc) or a recycled hidden [B, T, H]."""
         if hidden.shape[-1] != self.cfg.hidden_size:  # target states, not a recycled hidden
             hidden = self.project_aux(hidden)
-        x, residual = self.midlayer.attn_input(self.embed_tokens(input_ids).to(hidden.dtype), hidden)
-        cos, sin = self.rotary_emb(x, position_ids)
-        attn = self.midlayer.self_attn
-        o = attend(*attn.project(x, cos, sin))
+        m, attn = self.midlayer, self.midlayer.self_attn
         B, T = input_ids.shape
-        return self.midlayer.finish(attn.o_proj(o.transpose(1, 2).reshape(B, T, -1)), residual)
+        ops = DrafterLayerOps(
+            embed=self.embed_tokens,
+            input_layernorm=m.input_layernorm,
+            hidden_norm=m.hidden_norm,
+            # q and k roped here: HF's rotary embedding casts its tables to the dtype of x, the
+            # attention input (fp32 under autocast, where q and k are bf16)
+            qkv_proj=lambda x: attn.project(x, *self.rotary_emb(x, position_ids)),
+            o_proj_add=lambda residual, o: residual + attn.o_proj(o),
+            gate_up=m.gate_up,
+            down_add=lambda residual, act: residual + m.mlp.down_proj(act),
+            act=m.mlp.act_fn,
+        )
+
+        def attention(qkv):  # shape: [B, nh, T, hd] -> [B, T, nh * hd]
+            return attend(*qkv).transpose(1, 2).reshape(B, T, -1)
+
+        return drafter_layer(input_ids, hidden, ops, attention, norm_before_residual=self.cfg.norm_before_residual)
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> DraftKVCache:
         p = self.lm_head.weight

@@ -322,7 +322,7 @@ class TTTSteps:
     """The pieces of the unroll that run once per TTT step, as one place to compile them: eager,
     a small drafter's step is thousands of small kernels launched from Python. Compiled (with
     symbolic sizes), each is one graph for every step and every batch shape, so the compiler
-    sees one step rather than the whole unroll (a seventh of the work for seven steps)."""
+    sees one step rather than the whole unrolled loss, and compiles it once."""
 
     first: Callable = first_step
     later: Callable = later_step

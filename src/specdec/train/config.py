@@ -35,6 +35,6 @@ class TrainConfig:
     bf16: bool | None = None  # bf16 autocast; None: where precision.compute_dtype says bf16
     # The TTT step's functions compiled (train/ttt.py, TTTSteps; train/loop.py, compiled_steps):
     # faster steps on a GPU, where an eager step launches thousands of small kernels from Python,
-    # after the compiler's first minutes. Off unless asked for (BENCHMARKS.md, training).
+    # after the compiler's first minutes; off unless asked for, since only long runs repay them.
     compile: bool = False
     extra: dict = field(default_factory=dict)

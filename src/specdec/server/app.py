@@ -253,9 +253,15 @@ def _errors(*statuses: int) -> dict:
     return {s: {"model": ErrorResponse} for s in statuses}
 
 
+# One server-sent event of a stream (`stream: true`): before OpenAPI 3.2, a text/event-stream
+# response's `schema` describes each event, not the stream as one string. Each carries a JSON
+# chunk, or "[DONE]", as its data.
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+
 # What a /v1 POST may answer, as the OpenAPI schema states it (schemathesis holds the server to it).
 POST_RESPONSES = {**_errors(400, 401, 404, 413, 429, 499, 500, 503),
-                  200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}}}
 
 
 def _document_bodies(app: FastAPI, bodies: dict) -> None:

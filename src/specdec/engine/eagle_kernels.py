@@ -67,9 +67,6 @@ class KernelLayer:
         self.norm_before_residual, self.norm_output = cfg.norm_before_residual, cfg.norm_output
         self.ops = _ops(self, kernels)
 
-    def _linear(self, x, w):
-        return gemv.gemv_linear(x, w, None, self.kernels)
-
     def _attention(self, qkv, pos, tm):
         """Keys roped into the cache slots `pos`, values beside them; decode_attention ropes q itself
         and attends over the live slots. qkv [T, (nh + 2 nkv) hd] -> [T, nh hd]."""
@@ -90,7 +87,7 @@ class KernelLayer:
         logits [1, T, draft vocab]), as `Eagle3Drafter.head` does."""
         h = hidden[0]
         if aux:
-            h = self._linear(h, self.fc)
+            h = gemv.gemv_linear(h, self.fc, None, self.kernels)
         h = drafter_layer(ids[0], h, self.ops, lambda qkv: self._attention(qkv, pos, tm),
                           norm_before_residual=self.norm_before_residual)
         logits = gemv.norm_linear(h, self.norm_w, self.eps, self.lm_w, self.kernels)

@@ -160,7 +160,8 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         copy_target_embedding(drafter, target)
     drafter.to(device)
     head = TargetHead.from_target(target).to(device)
-    module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay, cfg.feature_loss).to(device)
+    module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay, cfg.feature_loss,
+                        compiled_steps() if cfg.compile else EAGER).to(device)
     argmax_cache = TargetArgmaxCache(source, head, device)
     wrapped = module
     if world > 1:
@@ -181,8 +182,6 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         info["resumed_from"] = str(ckpt)
         log(f"specdec train: resuming from {ckpt} (step {step}/{total})")
     info["compiled"] = cfg.compile
-    if cfg.compile:
-        module.fns = compiled_steps()
     bf16 = compute_dtype(device) == torch.bfloat16 if cfg.bf16 is None else cfg.bf16
     dtype = torch.bfloat16 if bf16 else torch.float32
 

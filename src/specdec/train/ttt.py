@@ -154,6 +154,87 @@ class TargetArgmaxCache:
         return samples
 
 
+def first_step(raw: Eagle3Drafter, ids, aux_hidden, positions, logits_from: int = 0):
+    """Step 0: the layer over the target's states [B, L, 3tH], attending causally. Returns
+    (logits [B, L - logits_from, Vd], the layer's output before the final norm [B, L, H], the
+    hidden the next step reads, this step's keys and values [B, kvh, L, hd], which every later
+    step attends to causally)."""
+    kv = []
+
+    def attend(q, k, v):
+        kv.append((k, v))
+        return ttt_attention(q, k, v)
+
+    out = raw.layer(ids, raw.project_aux(aux_hidden.to(raw.fc.weight.dtype)), positions, attend)
+    hidden, logits = raw.head(out, logits_from)
+    (k, v), = kv
+    return logits, out, hidden, k, v
+
+
+def later_step(raw: Eagle3Drafter, ids, hidden, positions, k0, v0, step_k, step_v, slot, logits_from: int = 0):
+    """Step s >= 1: the layer over the last step's hidden, attending to step 0's keys causally and
+    to each step's key at the same position (ttt_attention). Its own key and value go into slot
+    `slot` = s - 1 of `step_k` / `step_v` [B, kvh, L, steps - 1, hd]; `slot` is a 0-dim tensor,
+    so every later step has the same shapes and, compiled, is one graph. Returns (logits, output,
+    next hidden, step_k, step_v with this step's slot filled)."""
+    kv = []
+
+    def attend(q, k, v):
+        slots = torch.arange(step_k.shape[3], device=k.device)
+        here = (slots == slot)[:, None]  # shape: [S, 1], against [..., S, hd]
+        # Contiguous, as the empty slots are: every later step then reads one layout.
+        sk = torch.where(here, k.unsqueeze(-2), step_k).contiguous()
+        sv = torch.where(here, v.unsqueeze(-2), step_v).contiguous()
+        kv.append((sk, sv))
+        return ttt_attention(q, k0, v0, sk, sv, slots <= slot)
+
+    out = raw.layer(ids, hidden, positions, attend)
+    hidden, logits = raw.head(out, logits_from)
+    (sk, sv), = kv
+    return logits, out, hidden, sk, sv
+
+
+def soft_cross_entropy(logits: torch.Tensor, p_target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Mean over the weighted positions of -sum(p_target * log_softmax(logits)): logits and
+    p_target [B, n, Vd], weight [B, n]."""
+    ce = -(p_target * F.log_softmax(logits.float(), -1)).sum(-1)
+    return (ce * weight).sum() / weight.sum().clamp(min=1.0)
+
+
+@dataclass(frozen=True)
+class TTTSteps:
+    """The pieces of the unroll that run once per TTT step, as one place to compile them: eager,
+    a small drafter's step is thousands of small kernels launched from Python. Compiled (with
+    symbolic sizes), each is one graph for every step and every batch shape, so the compiler
+    sees one step rather than the whole unrolled loss, and compiles it once."""
+
+    first: Callable = first_step
+    later: Callable = later_step
+    cross_entropy: Callable = soft_cross_entropy
+
+    def compiled(self, **options) -> "TTTSteps":
+        """These functions under `torch.compile(fn, **options)`, traced without duck sizing: it
+        makes sizes that happen to be equal on the first call one symbol (a batch of as many rows
+        as the drafter has key heads, a slice's offset equal to the vocab) and the next call that
+        parts them compiles again."""
+        from torch.fx.experimental import _config as shape_config
+
+        def build(fn):
+            compiled = torch.compile(fn, **options)
+
+            @functools.wraps(fn)
+            def run(*args):
+                with shape_config.patch(use_duck_shape=False):
+                    return compiled(*args)
+
+            return run
+
+        return TTTSteps(*(build(f) for f in (self.first, self.later, self.cross_entropy)))
+
+
+EAGER = TTTSteps()
+
+
 @dataclass
 class TTTOutput:
     loss: torch.Tensor
@@ -166,13 +247,12 @@ class TTTOutput:
 
 def ttt_loss(drafter: Eagle3Drafter, batch: Batch, head: TargetHead, *, steps: int = 7,
              decay: float = 0.8, feature_weight: float = 0.0, walk: bool = False,
-             fns: TTTSteps | None = None) -> TTTOutput:
+             fns: TTTSteps = EAGER) -> TTTOutput:
     """The TTT loss with the per-step accuracies used for the simulated acceptance length.
     `feature_weight` > 0 adds the feature loss (module docstring), relative squared error per token.
     With `walk`, also each position's accepted depth and whether a step may start there (for
     walk_acceptance; only evaluation asks). `fns`: the per-step functions (TTTSteps), eager by
     default or compiled."""
-    fns = fns or EAGER
     raw = drafter.module if hasattr(drafter, "module") else drafter
     B, L = batch.input_ids.shape
     dev = batch.input_ids.device
@@ -268,87 +348,6 @@ def ttt_unroll(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Te
     token at t+2+s (teacher forcing on `input_ids`, the drafter's own hidden states recycled)."""
     for logits, _ in ttt_unroll_states(raw, input_ids, aux_hidden, steps):
         yield logits
-
-
-def first_step(raw: Eagle3Drafter, ids, aux_hidden, positions, logits_from: int = 0):
-    """Step 0: the layer over the target's states [B, L, 3tH], attending causally. Returns
-    (logits [B, L - logits_from, Vd], the layer's output before the final norm [B, L, H], the
-    hidden the next step reads, this step's keys and values [B, kvh, L, hd], which every later
-    step attends to causally)."""
-    kv = []
-
-    def attend(q, k, v):
-        kv.append((k, v))
-        return ttt_attention(q, k, v)
-
-    out = raw.layer(ids, raw.project_aux(aux_hidden.to(raw.fc.weight.dtype)), positions, attend)
-    hidden, logits = raw.head(out, logits_from)
-    (k, v), = kv
-    return logits, out, hidden, k, v
-
-
-def later_step(raw: Eagle3Drafter, ids, hidden, positions, k0, v0, step_k, step_v, slot, logits_from: int = 0):
-    """Step s >= 1: the layer over the last step's hidden, attending to step 0's keys causally and
-    to each step's key at the same position (ttt_attention). Its own key and value go into slot
-    `slot` = s - 1 of `step_k` / `step_v` [B, kvh, L, steps - 1, hd]; `slot` is a 0-dim tensor,
-    so every later step has the same shapes and, compiled, is one graph. Returns (logits, output,
-    next hidden, step_k, step_v with this step's slot filled)."""
-    kv = []
-
-    def attend(q, k, v):
-        slots = torch.arange(step_k.shape[3], device=k.device)
-        here = (slots == slot)[:, None]  # shape: [S, 1], against [..., S, hd]
-        # Contiguous, as the empty slots are: every later step then reads one layout.
-        sk = torch.where(here, k.unsqueeze(-2), step_k).contiguous()
-        sv = torch.where(here, v.unsqueeze(-2), step_v).contiguous()
-        kv.append((sk, sv))
-        return ttt_attention(q, k0, v0, sk, sv, slots <= slot)
-
-    out = raw.layer(ids, hidden, positions, attend)
-    hidden, logits = raw.head(out, logits_from)
-    (sk, sv), = kv
-    return logits, out, hidden, sk, sv
-
-
-def soft_cross_entropy(logits: torch.Tensor, p_target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Mean over the weighted positions of -sum(p_target * log_softmax(logits)): logits and
-    p_target [B, n, Vd], weight [B, n]."""
-    ce = -(p_target * F.log_softmax(logits.float(), -1)).sum(-1)
-    return (ce * weight).sum() / weight.sum().clamp(min=1.0)
-
-
-@dataclass(frozen=True)
-class TTTSteps:
-    """The pieces of the unroll that run once per TTT step, as one place to compile them: eager,
-    a small drafter's step is thousands of small kernels launched from Python. Compiled (with
-    symbolic sizes), each is one graph for every step and every batch shape, so the compiler
-    sees one step rather than the whole unrolled loss, and compiles it once."""
-
-    first: Callable = first_step
-    later: Callable = later_step
-    cross_entropy: Callable = soft_cross_entropy
-
-    def compiled(self, **options) -> "TTTSteps":
-        """These functions under `torch.compile(fn, **options)`, traced without duck sizing: it
-        makes sizes that happen to be equal on the first call one symbol (a batch of as many rows
-        as the drafter has key heads, a slice's offset equal to the vocab) and the next call that
-        parts them compiles again."""
-        from torch.fx.experimental import _config as shape_config
-
-        def build(fn):
-            compiled = torch.compile(fn, **options)
-
-            @functools.wraps(fn)
-            def run(*args):
-                with shape_config.patch(use_duck_shape=False):
-                    return compiled(*args)
-
-            return run
-
-        return TTTSteps(*(build(f) for f in (self.first, self.later, self.cross_entropy)))
-
-
-EAGER = TTTSteps()
 
 
 def ttt_unroll_states(raw: Eagle3Drafter, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int,

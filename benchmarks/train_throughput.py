@@ -16,6 +16,9 @@ Rows:
              compiler, and the rate counts it
   compiled-warm  the same again in this process: the compiler's caches hold the kernels, so the rate
              is the compiled step's own (compiled's wall time less this one's is about the compile)
+  graphs     compiled, each step's graphs replayed as CUDA graphs (train --cuda-graphs: batches padded to
+             one shape per 64-token length bucket)
+  graphs-warm  the same again in this process
   quickstart compiled, with `specdec train`'s defaults: held-out evaluation every 100 steps, a
              checkpoint every 200
 
@@ -132,7 +135,8 @@ def main() -> None:
         evals = dict(eval_every=100, save_every=200) if row == "quickstart" else dict(eval_every=10**9,
                                                                                      save_every=10**9)
         tc = TrainConfig(out=str(work / row), epochs=100.0, max_steps=steps, lr=1e-3, batch_tokens=batch_tokens,
-                         ttt_steps=ttt, draft_vocab_size=vocab, compile=row != "eager", **evals)
+                         ttt_steps=ttt, draft_vocab_size=vocab, compile=row != "eager",
+                         cuda_graphs=row.startswith("graphs"), **evals)
         if row != "quickstart":
             tc.eval_percent = 0.0
         t = time.perf_counter()
@@ -140,7 +144,8 @@ def main() -> None:
         tok_s = s["tokens_per_s"]
         mfu = tok_s * fpt / HOPPER_BF16_PEAK if dev == "cuda" else None
         r = {"tag": args.tag, "row": row, "shapes": args.shapes, "device": dev, "card": card_name(),
-             "steps": s["steps"], "tokens_per_s": tok_s, "last_loss": s.get("last_loss"),
+             "steps": s["steps"], "tokens_per_s": tok_s, "cuda_graphs": s.get("cuda_graphs"),
+             "last_loss": s.get("last_loss"),
              "wall_s": time.perf_counter() - t, "flops_per_token": fpt, "mfu": mfu}
         if args.out:  # row by row: a run stopped at its time limit keeps what it measured
             with open(Path(args.out) / f"{card_name()}_train_throughput.jsonl", "a") as f:

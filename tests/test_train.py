@@ -319,3 +319,78 @@ def test_cuda_training_resumes_from_a_checkpoint_to_the_same_weights(tiny, captu
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_length_buckets_pad_every_batch_to_one_shape_per_bucket_within_the_token_budget():
+    """With a length multiple, a batch's padded shape depends on its length bucket alone (what
+    lets CUDA graphs replay a few shapes), it never holds more than batch_tokens padded tokens
+    unless one sample alone is longer, and an epoch still sees every sample once."""
+    import random
+
+    from specdec.train.data import global_batches, padded_shape
+
+    rng = random.Random(1)
+    lengths = [rng.randint(5, 700) for _ in range(500)] + [1500]  # one sample longer than the budget
+    idx = list(range(len(lengths)))
+    shapes: dict[int, set] = {}
+    for epoch in range(3):
+        batches = global_batches(idx, lengths, 1024, seed=0, epoch=epoch, multiple=64)
+        assert sorted(i for b in batches for i in b) == idx
+        for b in batches:
+            rows, length = padded_shape(len(b), max(lengths[i] for i in b), 1024, 64)
+            assert length % 64 == 0 and length >= max(lengths[i] for i in b) > length - 64
+            assert rows >= len(b) and (rows * length <= 1024 or rows == 1)
+            shapes.setdefault(length, set()).add(rows)
+    assert all(len(rows) == 1 for rows in shapes.values()), shapes
+    assert len(shapes) == len({-(-n // 64) for n in lengths})  # every bucket met, one shape each
+    # Without a multiple, the batch's own shape, as before.
+    assert padded_shape(3, 77, 1024, 1) == (3, 77)
+
+
+def test_padding_to_a_bucket_changes_neither_loss_nor_gradients(tiny, capture_dir):
+    """Rows and columns of padding (valid = False) add nothing to the loss, the accuracies or the
+    gradients: a batch padded to its bucket's shape trains as the batch itself."""
+    from specdec.train import loop
+    from specdec.train.drafter_init import make_drafter
+    from specdec.train.ttt import TargetArgmaxCache, TargetHead
+
+    target = load_target(tiny, device="cpu")
+    source = OfflineSource(CaptureStore(capture_dir))
+    drafter, _ = make_drafter(target, source, TrainConfig(out="unused", draft_vocab_size=64, ttt_steps=4), None)
+    module = loop.DrafterTTT(drafter, TargetHead.from_target(target), 4, 0.8)
+    samples = TargetArgmaxCache(source, module.head, "cpu").get([3, 4, 5])
+    L = max(len(s["input_ids"]) for s in samples)
+    results = []
+    for shape in (None, (7, L + 45)):
+        inputs = loop._to(samples, "cpu", torch.float32, shape)
+        assert inputs[0].shape == ((3, L) if shape is None else shape)
+        drafter.zero_grad()
+        loss, correct, step_correct, counted = module(*inputs)
+        loss.backward()
+        results.append((loss.detach(), correct, step_correct, counted,
+                        [p.grad.clone() for p in drafter.parameters() if p.requires_grad]))
+    (l0, c0, s0, n0, g0), (l1, c1, s1, n1, g1) = results
+    torch.testing.assert_close(l1, l0)
+    assert torch.equal(c1, c0) and torch.equal(s1, s0) and float(n1) == float(n0) > 0
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs")
+def test_cuda_graph_training_trains_as_eager(tiny, capture_dir, tmp_path):
+    """`cuda_graphs`: the compiled steps replayed as CUDA graphs (one per bucket shape, outputs
+    overwritten by the next step's replay) train to eager's weights on the same padded batches."""
+    target = load_target(tiny, device="cuda")
+    source = OfflineSource(CaptureStore(capture_dir))
+    runs = {}
+    for name, graphs in (("eager", False), ("graphs", True)):
+        c = TrainConfig(out=str(tmp_path / name), max_steps=10, draft_vocab_size=64, batch_tokens=1024,
+                        ttt_steps=3, lr=3e-3, eval_every=5, bf16=False, cuda_graphs=graphs, length_multiple=64)
+        runs[name] = train(target, source, c, progress=False)
+    assert runs["graphs"]["cuda_graphs"] and runs["graphs"]["compiled"] and not runs["eager"]["compiled"]
+    assert runs["graphs"]["last_loss"] == pytest.approx(runs["eager"]["last_loss"], rel=1e-3)
+    assert runs["graphs"]["eval"]["per_position_accuracy"] == pytest.approx(
+        runs["eager"]["eval"]["per_position_accuracy"], abs=0.02)
+    a, b = _weights(tmp_path / "eager"), _weights(tmp_path / "graphs")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-4, msg=k)

@@ -21,6 +21,7 @@ examples:
   specdec train --target smollm2-135m-instruct --data runs/smol/capture -o runs/smol/train
   specdec train --target smollm2-135m-instruct --online --data runs/smol/regen.jsonl -o runs/smol/train
   specdec train ... --compile                         # a long run on a GPU: the TTT step compiled once
+  specdec train ... --cuda-graphs                     # compiled, and each step replayed as a CUDA graph
   specdec train ... --resume                          # after a crash or kill -9
   specdec train ... --init yuhuili-style-drafter/     # fine-tune, vocab mapping kept
   torchrun --nproc-per-node 2 -m specdec train --target T --data CAP -o OUT   # DDP (gloo on CPU)
@@ -72,6 +73,12 @@ def register(subparsers) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the TTT step (one graph for every step and batch shape): faster steps on a "
                         "GPU after a first step that waits minutes for the compiler; for long runs")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="--compile, and on a GPU each compiled step replayed as a CUDA graph: batches are padded "
+                        "to one shape per length bucket (--length-multiple, 64 unless given), one graph per shape")
+    p.add_argument("--length-multiple", type=int, default=1,
+                   help="pad each batch's length to a multiple of this and its rows to what --batch-tokens holds "
+                        "at that length: one batch shape per length bucket (default: 1, each batch its own shape)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     p.set_defaults(func=run)
 
@@ -138,7 +145,8 @@ def run(args) -> int:
                       max_steps=args.max_steps, rebuild_vocab=args.rebuild_vocab,
                       norm_before_residual=args.norm_before_residual, intermediate_size=args.intermediate_size,
                       init_layer=parse_init_layer(args.init_layer),
-                      bf16=None if args.dtype == "auto" else args.dtype == "bf16", compile=args.compile)
+                      bf16=None if args.dtype == "auto" else args.dtype == "bf16", compile=args.compile,
+                      cuda_graphs=args.cuda_graphs, length_multiple=args.length_multiple)
     summary = train(target, source, cfg, init=args.init, resume=args.resume, target_name=str(args.target))
     if int(os.environ.get("RANK", 0)) == 0:
         if args.json:

@@ -65,10 +65,29 @@ class OnlineSource(Source):
             yield {"input_ids": torch.tensor(r.input_ids), "loss_mask": torch.tensor(r.loss_mask)}
 
 
+MAX_BATCH = 64  # rows per batch, whatever their length
+
+
+def padded_length(longest: int, multiple: int) -> int:
+    return -(-longest // multiple) * multiple
+
+
+def padded_shape(rows: int, longest: int, batch_tokens: int, multiple: int) -> tuple[int, int]:
+    """(rows, length) a batch is padded to. With `multiple` > 1 its length rounds up to a multiple
+    of it and its rows to as many as `batch_tokens` holds at that length (global_batches packs no
+    more), so the shape depends on the length bucket alone: a run meets one shape per bucket, few
+    enough to replay each as a CUDA graph. With 1, the batch's own shape."""
+    if multiple <= 1:
+        return rows, longest
+    length = padded_length(longest, multiple)
+    return max(rows, min(MAX_BATCH, batch_tokens // length)), length
+
+
 def global_batches(indices: list[int], lengths: list[int], batch_tokens: int, *, seed: int, epoch: int,
-                   max_batch: int = 64) -> list[list[int]]:
+                   max_batch: int = MAX_BATCH, multiple: int = 1) -> list[list[int]]:
     """Shuffle, then group neighbours of similar length into batches of <= batch_tokens padded
-    tokens. Deterministic in (seed, epoch), independent of world size."""
+    tokens (the longest rounded up to `multiple`, see padded_shape). Deterministic in (seed,
+    epoch), independent of world size."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = [indices[i] for i in torch.randperm(len(indices), generator=g).tolist()]
     # Sort within windows of 64 to cut padding while keeping the shuffle.
@@ -76,10 +95,10 @@ def global_batches(indices: list[int], lengths: list[int], batch_tokens: int, *,
     order = [i for w in range(0, len(order), window) for i in sorted(order[w : w + window], key=lambda i: lengths[i])]
     batches, cur, cur_max = [], [], 0
     for i in order:
-        m = max(cur_max, lengths[i])
+        m = max(cur_max, padded_length(lengths[i], multiple))
         if cur and (m * (len(cur) + 1) > batch_tokens or len(cur) >= max_batch):
             batches.append(cur)
-            cur, m = [], lengths[i]
+            cur, m = [], padded_length(lengths[i], multiple)
         cur.append(i)
         cur_max = m
     if cur:
@@ -88,8 +107,8 @@ def global_batches(indices: list[int], lengths: list[int], batch_tokens: int, *,
     return [batches[p] for p in perm]
 
 
-def batches_at(step: int, indices: list[int], lengths: list[int], batch_tokens: int, *, seed: int
-               ) -> tuple[int, int, list[list[int]]]:
+def batches_at(step: int, indices: list[int], lengths: list[int], batch_tokens: int, *, seed: int,
+               multiple: int = 1) -> tuple[int, int, list[list[int]]]:
     """(epoch, position in it, that epoch's batches) of global optimizer step `step`.
 
     Epochs pack into different numbers of batches (the shuffle changes which lengths share a
@@ -98,19 +117,20 @@ def batches_at(step: int, indices: list[int], lengths: list[int], batch_tokens: 
     """
     epoch, start = 0, 0
     while True:
-        batches = global_batches(indices, lengths, batch_tokens, seed=seed, epoch=epoch)
+        batches = global_batches(indices, lengths, batch_tokens, seed=seed, epoch=epoch, multiple=multiple)
         if step < start + len(batches):
             return epoch, step - start, batches
         start += len(batches)
         epoch += 1
 
 
-def step_batches(step: int, total: int, indices: list[int], lengths: list[int], batch_tokens: int, *, seed: int):
+def step_batches(step: int, total: int, indices: list[int], lengths: list[int], batch_tokens: int, *, seed: int,
+                 multiple: int = 1):
     """The global batch of every optimizer step from `step` to `total`, across epochs."""
-    epoch, pos, batches = batches_at(step, indices, lengths, batch_tokens, seed=seed)
+    epoch, pos, batches = batches_at(step, indices, lengths, batch_tokens, seed=seed, multiple=multiple)
     for _ in range(step, total):
         if pos >= len(batches):
             epoch, pos = epoch + 1, 0
-            batches = global_batches(indices, lengths, batch_tokens, seed=seed, epoch=epoch)
+            batches = global_batches(indices, lengths, batch_tokens, seed=seed, epoch=epoch, multiple=multiple)
         yield batches[pos]
         pos += 1

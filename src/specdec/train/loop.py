@@ -28,7 +28,7 @@ from ..models.drafter import DrafterConfig, Eagle3Drafter
 from ..precision import compute_dtype, dtype_name
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .data import global_batches, is_heldout, step_batches
+from .data import global_batches, is_heldout, padded_shape, step_batches
 from .drafter_init import copy_target_embedding, make_drafter
 from .prefetch import Prefetch
 from .ttt import EAGER, Batch, TargetArgmaxCache, TargetHead, TTTSteps, ttt_loss, walk_acceptance
@@ -58,12 +58,15 @@ class DrafterTTT(nn.Module):
                 torch.tensor([w[0] for w in walks]), torch.tensor([w[1] for w in walks]))
 
 
-def compiled_steps(backend: str = "inductor") -> TTTSteps:
+def compiled_steps(backend: str = "inductor", cuda_graphs: bool = False) -> TTTSteps:
     """The TTT step's functions compiled (`train --compile`): every step and every batch shape
     runs one graph each (sizes symbolic, `dynamic=True`); a graph break is an error, not a silent
     return to eager. Inductor's coalescing analysis for tiling asserts on some symbolic sizes (it
-    is meant for static shapes), so it is off here, for these functions only."""
-    options = {"triton.coalesce_tiling_analysis": False} if backend == "inductor" else None
+    is meant for static shapes), so it is off here, for these functions only. `cuda_graphs`:
+    inductor records each graph's kernels as a CUDA graph per batch shape and replays it."""
+    options = None
+    if backend == "inductor":
+        options = {"triton.coalesce_tiling_analysis": False, "triton.cudagraphs": cuda_graphs}
     return TTTSteps().compiled(dynamic=True, fullgraph=True, backend=backend, options=options)
 
 
@@ -79,8 +82,8 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _to(samples, device, dtype):
-    b = Batch.collate(samples, device)
+def _to(samples, device, dtype, shape=None):
+    b = Batch.collate(samples, device, shape)
     return b.input_ids, b.loss_mask, b.aux_hidden.to(dtype), b.last_hidden, b.valid, b.target_argmax
 
 
@@ -133,6 +136,9 @@ def provenance(target, source, drafter, last_eval: dict) -> dict:
 
 def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: bool = False,
           target_name: str = "target", progress: bool = True) -> dict:
+    if cfg.length_multiple < 1:
+        raise SpecdecError(f"length multiple {cfg.length_multiple}: expected 1 (each batch its own shape) or more "
+                           "(padded to a multiple of it); nothing was written")
     rank, world, _ = dist_env()
     cuda = torch.cuda.is_available() and target.device.type == "cuda"
     if world > 1 and not dist.is_initialized():
@@ -160,15 +166,19 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         copy_target_embedding(drafter, target)
     drafter.to(device)
     head = TargetHead.from_target(target).to(device)
+    graphs = cfg.cuda_graphs and cuda  # CUDA graphs exist on CUDA only; elsewhere the compiled steps
+    compiled = cfg.compile or graphs
+    multiple = cfg.length_multiple if cfg.length_multiple > 1 or not graphs else 64
     module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay, cfg.feature_loss,
-                        compiled_steps() if cfg.compile else EAGER).to(device)
+                        compiled_steps(cuda_graphs=graphs) if compiled else EAGER).to(device)
     argmax_cache = TargetArgmaxCache(source, head, device)
     wrapped = module
     if world > 1:
         wrapped = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), fused=cuda)
-    per_epoch = len(global_batches(train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed, epoch=0))
+    per_epoch = len(global_batches(train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed, epoch=0,
+                                   multiple=multiple))
     total = max(1, int(math.ceil(cfg.epochs * per_epoch)))
     if cfg.max_steps:
         total = min(total, cfg.max_steps)
@@ -181,7 +191,9 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         step, history = state["step"], state.get("history", [])
         info["resumed_from"] = str(ckpt)
         log(f"specdec train: resuming from {ckpt} (step {step}/{total})")
-    info["compiled"] = cfg.compile
+    info["compiled"] = compiled
+    info["cuda_graphs"] = graphs
+    info["length_multiple"] = multiple
     bf16 = compute_dtype(device) == torch.bfloat16 if cfg.bf16 is None else cfg.bf16
     dtype = torch.bfloat16 if bf16 else torch.float32
 
@@ -210,7 +222,11 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
 
     def load(gb):
         samples = argmax_cache.get(gb[rank::world] or gb[:1])
-        return sum(len(s["input_ids"]) for s in samples), _to(samples, device, dtype)
+        shape = None
+        if multiple > 1:
+            rows, length = padded_shape(len(gb), max(source.lengths[i] for i in gb), cfg.batch_tokens, multiple)
+            shape = (-(-rows // world), length)  # this process's share of the rows
+        return sum(len(s["input_ids"]) for s in samples), _to(samples, device, dtype, shape)
 
     def show(done):
         """A finished step's figures, read while the next step is already queued on a GPU."""
@@ -228,10 +244,13 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
             tb.add_scalar("train/tokens_per_s", rate, at)
 
     # A resume may start mid-epoch: step_batches locates the step, then walks the epochs forward.
-    schedule = step_batches(step, total, train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed)
+    schedule = step_batches(step, total, train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed,
+                            multiple=multiple)
     pending = None
     with bar:
         for n_tokens, inputs in Prefetch(load, schedule, device):
+            if graphs:  # a new step: the last step's graph outputs may be overwritten
+                torch.compiler.cudagraph_mark_step_begin()
             with autocast():
                 loss, correct, _, counted = wrapped(*inputs)
             opt.zero_grad(set_to_none=True)

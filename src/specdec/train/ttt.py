@@ -56,11 +56,13 @@ class Batch:
     target_argmax: torch.Tensor | None = None  # [B, L] int64, -1 = not known (see TargetArgmaxCache)
 
     @classmethod
-    def collate(cls, samples: list[dict], device) -> "Batch":
+    def collate(cls, samples: list[dict], device, shape: tuple[int, int] | None = None) -> "Batch":
         """Pad and stack on the host, then copy to `device`; to a GPU from pinned memory without
-        blocking (the copy is ordered on the current stream like any kernel)."""
-        L = max(len(s["input_ids"]) for s in samples)
-        B = len(samples)
+        blocking (the copy is ordered on the current stream like any kernel). `shape` (rows,
+        length): pad to it, with rows of padding only, where it is larger than the samples'."""
+        B, L = len(samples), max(len(s["input_ids"]) for s in samples)
+        if shape is not None:
+            B, L = max(B, shape[0]), max(L, shape[1])
         d_aux = samples[0]["aux_hidden"].shape[-1]
         d_last = samples[0]["last_hidden"].shape[-1]
         dt = samples[0]["aux_hidden"].dtype

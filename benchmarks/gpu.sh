@@ -97,9 +97,10 @@ headline() { DEADLINE=$(($(date +%s) + ${HEADLINE_S:-570})); decode8b; smollm2; 
 train_throughput() {  # SHAPES=8b: a Llama-3.1-8B drafter's shapes
   local shapes=(--shapes "${SHAPES:-smollm2}")
   if [ "${SHAPES:-}" = 8b ]; then
-    shapes+=(--samples 300 --steps 40 --rows eager,compiled,compiled-warm --profile-steps 0)
+    shapes+=(--samples 300 --steps 40 --rows eager,compiled,compiled-warm,graphs,graphs-warm --profile-steps 0)
   fi
-  run 540 python3 benchmarks/train_throughput.py --out "$OUT" "${shapes[@]}"
+  # shellcheck disable=SC2086  # TP_ARGS: options, split on spaces
+  run 540 python3 benchmarks/train_throughput.py --out "$OUT" "${shapes[@]}" ${TP_ARGS:-}
 }
 regen_throughput() {
   need "$GGUF" "$DATA/sharegpt.jsonl"

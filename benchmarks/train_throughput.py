@@ -25,7 +25,8 @@ Rows:
 Each row reports tokens/s as `train` measures it (the summary's rate), the last step's loss (equal
 seeds and data: the rows must agree), and MFU against Hopper's dense bf16 peak (989 TFLOP/s, the
 H100 SXM's and the H200's), FLOPs counted as in throughput_8b.py. Then a torch.profiler table of
-a few compiled steps: device busy time against wall time, the top ops.
+a few compiled steps (as CUDA graphs where the rows include graphs): device busy time against wall
+time, the top ops.
 
   python benchmarks/train_throughput.py --out $OUT
   python benchmarks/train_throughput.py --out $OUT --shapes 8b --samples 300 --steps 40 --profile-steps 0
@@ -92,7 +93,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=1200)
     ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--rows", default="eager,compiled,compiled-warm,quickstart")
+    ap.add_argument("--rows", default="eager,compiled,compiled-warm,graphs,graphs-warm,quickstart")
     ap.add_argument("--shapes", choices=["smollm2", "8b"], default="smollm2")
     ap.add_argument("--profile-steps", type=int, default=12)
     ap.add_argument("--tag", default="this tree")
@@ -159,7 +160,8 @@ def main() -> None:
         def profiled(out):
             return TrainConfig(out=str(work / out), epochs=100.0, max_steps=args.profile_steps, lr=1e-3,
                                batch_tokens=batch_tokens, ttt_steps=ttt, draft_vocab_size=vocab, eval_every=10**9,
-                               save_every=10**9, eval_percent=0.0, compile=True)
+                               save_every=10**9, eval_percent=0.0, compile=True,
+                               cuda_graphs="graphs" in args.rows.split(","))
 
         train(target, OfflineSource(store), profiled("warm"), target_name=target.name, progress=False)  # compiled
         tc = profiled("profile")

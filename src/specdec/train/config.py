@@ -37,7 +37,7 @@ class TrainConfig:
     # faster steps on a GPU, where an eager step launches thousands of small kernels from Python,
     # after the compiler's first minutes; off unless asked for, since only long runs repay them.
     compile: bool = False
-    # With compile, on a GPU: each compiled step replayed as a CUDA graph, one per batch shape
+    # Compile, and on a GPU replay each compiled step as a CUDA graph, one per batch shape
     # (inductor's cudagraph trees), so a step launches a few graphs rather than every kernel.
     cuda_graphs: bool = False
     # Batches padded to a length that is a multiple of this and to the rows batch_tokens holds at

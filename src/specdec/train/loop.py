@@ -167,7 +167,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     drafter.to(device)
     head = TargetHead.from_target(target).to(device)
     graphs = cfg.cuda_graphs and cuda  # CUDA graphs exist on CUDA only; elsewhere the compiled steps
-    compiled = cfg.compile or graphs
+    compiled = cfg.compile or cfg.cuda_graphs
     multiple = cfg.length_multiple if cfg.length_multiple > 1 or not graphs else 64
     module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay, cfg.feature_loss,
                         compiled_steps(cuda_graphs=graphs) if compiled else EAGER).to(device)

@@ -99,8 +99,7 @@ train_throughput() {  # SHAPES=8b: a Llama-3.1-8B drafter's shapes
   if [ "${SHAPES:-}" = 8b ]; then
     shapes+=(--samples 300 --steps 40 --rows eager,compiled,compiled-warm,graphs,graphs-warm --profile-steps 0)
   fi
-  # shellcheck disable=SC2086  # TP_ARGS: options, split on spaces
-  run 540 python3 benchmarks/train_throughput.py --out "$OUT" "${shapes[@]}" ${TP_ARGS:-}
+  run 540 python3 benchmarks/train_throughput.py --out "$OUT" "${shapes[@]}"
 }
 regen_throughput() {
   need "$GGUF" "$DATA/sharegpt.jsonl"

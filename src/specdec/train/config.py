@@ -42,6 +42,6 @@ class TrainConfig:
     cuda_graphs: bool = False
     # Batches padded to a length that is a multiple of this and to the rows batch_tokens holds at
     # that length (data.padded_shape): one shape per length bucket. 1: each batch's own shape.
-    # CUDA graphs take 64 where this is left at 1.
+    # CUDA graphs take data.GRAPH_LENGTH_MULTIPLE where this is left at 1.
     length_multiple: int = 1
     extra: dict = field(default_factory=dict)

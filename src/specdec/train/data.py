@@ -66,6 +66,7 @@ class OnlineSource(Source):
 
 
 MAX_BATCH = 64  # rows per batch, whatever their length
+GRAPH_LENGTH_MULTIPLE = 64  # the length bucket under CUDA graphs unless one is given
 
 
 def padded_length(longest: int, multiple: int) -> int:
@@ -95,10 +96,11 @@ def global_batches(indices: list[int], lengths: list[int], batch_tokens: int, *,
     order = [i for w in range(0, len(order), window) for i in sorted(order[w : w + window], key=lambda i: lengths[i])]
     batches, cur, cur_max = [], [], 0
     for i in order:
-        m = max(cur_max, padded_length(lengths[i], multiple))
+        length = padded_length(lengths[i], multiple)
+        m = max(cur_max, length)
         if cur and (m * (len(cur) + 1) > batch_tokens or len(cur) >= max_batch):
             batches.append(cur)
-            cur, m = [], padded_length(lengths[i], multiple)
+            cur, m = [], length
         cur.append(i)
         cur_max = m
     if cur:

@@ -28,7 +28,7 @@ from ..models.drafter import DrafterConfig, Eagle3Drafter
 from ..precision import compute_dtype, dtype_name
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .data import global_batches, is_heldout, padded_shape, step_batches
+from .data import GRAPH_LENGTH_MULTIPLE, global_batches, is_heldout, padded_shape, step_batches
 from .drafter_init import copy_target_embedding, make_drafter
 from .prefetch import Prefetch
 from .ttt import EAGER, Batch, TargetArgmaxCache, TargetHead, TTTSteps, ttt_loss, walk_acceptance
@@ -168,7 +168,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     head = TargetHead.from_target(target).to(device)
     graphs = cfg.cuda_graphs and cuda  # CUDA graphs exist on CUDA only; elsewhere the compiled steps
     compiled = cfg.compile or cfg.cuda_graphs
-    multiple = cfg.length_multiple if cfg.length_multiple > 1 or not graphs else 64
+    multiple = GRAPH_LENGTH_MULTIPLE if graphs and cfg.length_multiple == 1 else cfg.length_multiple
     module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay, cfg.feature_loss,
                         compiled_steps(cuda_graphs=graphs) if compiled else EAGER).to(device)
     argmax_cache = TargetArgmaxCache(source, head, device)

@@ -8,7 +8,7 @@
 #                     caches off; PACK=1: the packed weight layout
 #   smollm2           SmolLM2-shaped steps against HF eager (random weights)
 #   drafter-step      one drafting round on the Triton kernels against inductor's; engine steps
-#   train-throughput  `specdec train` tokens/s, eager against compiled, on SmolLM2's drafter (SHAPES=8b: a
+#   train-throughput  `specdec train` tokens/s, eager, compiled and as CUDA graphs, on SmolLM2's drafter (SHAPES=8b: a
 #                     Llama-3.1-8B drafter's shapes)
 #   regen-throughput  BatchDecoder against HF generate, real SmolLM2 on ShareGPT          (staged)
 #   quickstart        `specdec quickstart` on the GPU defaults; each call resumes it; once it ends,
@@ -97,7 +97,8 @@ headline() { DEADLINE=$(($(date +%s) + ${HEADLINE_S:-570})); decode8b; smollm2; 
 train_throughput() {  # SHAPES=8b: a Llama-3.1-8B drafter's shapes
   local shapes=(--shapes "${SHAPES:-smollm2}")
   if [ "${SHAPES:-}" = 8b ]; then
-    shapes+=(--samples 300 --steps 40 --rows eager,compiled,compiled-warm,graphs,graphs-warm --profile-steps 0)
+    shapes+=(--samples 300 --steps 40 --rows eager,compiled,compiled-warm,graphs,graphs-compiled,graphs-compiled-warm
+      --profile-steps 0)
   fi
   run 540 python3 benchmarks/train_throughput.py --out "$OUT" "${shapes[@]}"
 }

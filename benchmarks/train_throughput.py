@@ -16,17 +16,18 @@ Rows:
              compiler, and the rate counts it
   compiled-warm  the same again in this process: the compiler's caches hold the kernels, so the rate
              is the compiled step's own (compiled's wall time less this one's is about the compile)
-  graphs     compiled, each step's graphs replayed as CUDA graphs (train --cuda-graphs: batches padded to
-             one shape per 64-token length bucket)
-  graphs-warm  the same again in this process
+  graphs     each optimizer step recorded as one CUDA graph per batch shape and replayed, the loss run op
+             by op inside it (train --cuda-graphs: batches padded to one shape per 64-token length bucket)
+  graphs-compiled  the same with the compiled loss recorded (train --compile --cuda-graphs)
+  graphs-compiled-warm  the same again in this process
   quickstart compiled, with `specdec train`'s defaults: held-out evaluation every 100 steps, a
              checkpoint every 200
 
 Each row reports tokens/s as `train` measures it (the summary's rate), the last step's loss (equal
 seeds and data: the rows must agree), and MFU against Hopper's dense bf16 peak (989 TFLOP/s, the
 H100 SXM's and the H200's), FLOPs counted as in throughput_8b.py. Then a torch.profiler table of
-a few compiled steps (as CUDA graphs where the rows include graphs): device busy time against wall
-time, the top ops.
+a few steps of the last row measured but quickstart (recorded graphs included, so the figures are
+the recordings' as much as the replays'): device busy time against wall time, the top ops.
 
   python benchmarks/train_throughput.py --out $OUT
   python benchmarks/train_throughput.py --out $OUT --shapes 8b --samples 300 --steps 40 --profile-steps 0
@@ -79,6 +80,16 @@ def synthetic_capture(directory: Path, cfg, n: int, g: torch.Generator, aux_laye
     return CaptureStore(directory)
 
 
+ROWS = ("eager", "compiled", "compiled-warm", "graphs", "graphs-compiled", "graphs-compiled-warm", "quickstart")
+
+
+def row_settings(row: str) -> dict:
+    """TrainConfig's compile and cuda_graphs for a row."""
+    if row not in ROWS:
+        raise SystemExit(f"unknown row {row!r}: expected one of {', '.join(ROWS)}")
+    return {"compile": row not in ("eager", "graphs"), "cuda_graphs": row.startswith("graphs")}
+
+
 def flops_per_token(cfg, ttt: int, vocab: int, ctx: float) -> float:
     """3x (forward): fc once, the layer and lm_head once per TTT step, attention over ~ctx keys."""
     H, inter = cfg.hidden_size, cfg.intermediate_size
@@ -93,7 +104,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=1200)
     ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--rows", default="eager,compiled,compiled-warm,graphs,graphs-warm,quickstart")
+    ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--shapes", choices=["smollm2", "8b"], default="smollm2")
     ap.add_argument("--profile-steps", type=int, default=12)
     ap.add_argument("--tag", default="this tree")
@@ -106,6 +117,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    rows = args.rows.split(",")
+    settings = {row: row_settings(row) for row in rows}  # an unknown row stops the run before it starts
     dev = "cuda" if torch.cuda.is_available() and not (args.tiny or args.cpu_size) else "cpu"
     if args.tiny:
         cfg = tiny_config("llama", vocab_size=512)
@@ -132,16 +145,23 @@ def main() -> None:
           flush=True)
     ctx = sum(m * m / 2 for m in lengths) / sum(lengths)
     fpt = flops_per_token(cfg, ttt, vocab, ctx)
-    for row in args.rows.split(","):
+    for row in rows:
         evals = dict(eval_every=100, save_every=200) if row == "quickstart" else dict(eval_every=10**9,
                                                                                      save_every=10**9)
         tc = TrainConfig(out=str(work / row), epochs=100.0, max_steps=steps, lr=1e-3, batch_tokens=batch_tokens,
-                         ttt_steps=ttt, draft_vocab_size=vocab, compile=row != "eager",
-                         cuda_graphs=row.startswith("graphs"), **evals)
+                         ttt_steps=ttt, draft_vocab_size=vocab, **settings[row], **evals)
         if row != "quickstart":
             tc.eval_percent = 0.0
         t = time.perf_counter()
-        s = train(target, OfflineSource(store), tc, target_name=target.name, progress=False)
+        try:
+            s = train(target, OfflineSource(store), tc, target_name=target.name, progress=False)
+        except Exception as e:  # a row that fails leaves the others to run; its error is the result
+            error = f"{type(e).__name__}: {e}"
+            print(f"[{args.tag}] {args.shapes} {row}: failed: {error}", flush=True)
+            if args.out:
+                with open(Path(args.out) / f"{card_name()}_train_throughput.jsonl", "a") as f:
+                    f.write(json.dumps({"tag": args.tag, "row": row, "shapes": args.shapes, "error": error}) + "\n")
+            continue
         tok_s = s["tokens_per_s"]
         mfu = tok_s * fpt / HOPPER_BF16_PEAK if dev == "cuda" else None
         r = {"tag": args.tag, "row": row, "shapes": args.shapes, "device": dev, "card": card_name(),
@@ -157,11 +177,12 @@ def main() -> None:
     if args.profile_steps and dev == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
+        measured = [r for r in rows if r != "quickstart"] or ["compiled"]
+
         def profiled(out):
             return TrainConfig(out=str(work / out), epochs=100.0, max_steps=args.profile_steps, lr=1e-3,
                                batch_tokens=batch_tokens, ttt_steps=ttt, draft_vocab_size=vocab, eval_every=10**9,
-                               save_every=10**9, eval_percent=0.0, compile=True,
-                               cuda_graphs="graphs" in args.rows.split(","))
+                               save_every=10**9, eval_percent=0.0, **row_settings(measured[-1]))
 
         train(target, OfflineSource(store), profiled("warm"), target_name=target.name, progress=False)  # compiled
         tc = profiled("profile")

@@ -334,7 +334,10 @@ def test_cuda_prefetch_yields_each_batch_in_order_after_its_copy():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the prefetching loop runs there")
-def test_cuda_training_resumes_from_a_checkpoint_to_the_same_weights(tiny, capture_dir, tmp_path):
+@pytest.mark.parametrize("graphs", [False, True], ids=["steps", "cuda_graphs"])
+def test_cuda_training_resumes_from_a_checkpoint_to_the_same_weights(tiny, capture_dir, tmp_path, graphs):
+    """Also with each step a recorded CUDA graph: the resumed run records its own graphs, reads its
+    learning rate from a device tensor again, and replays to the straight run's weights."""
     import shutil
 
     target = load_target(tiny, device="cuda")
@@ -342,7 +345,8 @@ def test_cuda_training_resumes_from_a_checkpoint_to_the_same_weights(tiny, captu
 
     def cfg(out):
         return TrainConfig(out=str(out), epochs=100, max_steps=12, save_every=4, keep_checkpoints=10,
-                           draft_vocab_size=64, batch_tokens=1024, ttt_steps=3, lr=3e-3, eval_every=6)
+                           draft_vocab_size=64, batch_tokens=1024, ttt_steps=3, lr=3e-3, eval_every=6,
+                           cuda_graphs=graphs)
 
     assert train(target, source, cfg(tmp_path / "straight"), progress=False)["steps"] == 12
     shutil.copytree(tmp_path / "straight" / "checkpoints" / "step-4", tmp_path / "resumed" / "checkpoints" / "step-4")
@@ -411,19 +415,26 @@ def test_padding_to_a_bucket_changes_neither_loss_nor_gradients(tiny, capture_di
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs")
 def test_cuda_graph_training_trains_as_eager(tiny, capture_dir, tmp_path):
-    """`cuda_graphs`: the compiled steps replayed as CUDA graphs (one per bucket shape, outputs
-    overwritten by the next step's replay) train to eager's weights on the same padded batches."""
+    """`cuda_graphs`: each optimizer step recorded once per bucket shape and replayed (the graphs
+    sharing one memory pool, the learning rate read from a device tensor), with the loss eager or
+    compiled inside, trains to eager's loss, held-out accuracy and weights on the same padded
+    batches, across evaluations between the replays."""
     target = load_target(tiny, device="cuda")
     source = OfflineSource(CaptureStore(capture_dir))
     runs = {}
-    for name, graphs in (("eager", False), ("graphs", True)):
+    for name, graphs, compiled in (("eager", False, False), ("graphs", True, False), ("compiled", True, True)):
         c = TrainConfig(out=str(tmp_path / name), max_steps=10, draft_vocab_size=64, batch_tokens=1024,
-                        ttt_steps=3, lr=3e-3, eval_every=5, bf16=False, cuda_graphs=graphs, length_multiple=64)
+                        ttt_steps=3, lr=3e-3, eval_every=5, bf16=False, cuda_graphs=graphs, compile=compiled,
+                        length_multiple=64)
         runs[name] = train(target, source, c, progress=False)
-    assert runs["graphs"]["cuda_graphs"] and runs["graphs"]["compiled"] and not runs["eager"]["compiled"]
-    assert runs["graphs"]["last_loss"] == pytest.approx(runs["eager"]["last_loss"], rel=1e-3)
-    assert runs["graphs"]["eval"]["per_position_accuracy"] == pytest.approx(
-        runs["eager"]["eval"]["per_position_accuracy"], abs=0.02)
-    a, b = _weights(tmp_path / "eager"), _weights(tmp_path / "graphs")
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-4, msg=k)
+    assert not runs["eager"]["cuda_graphs"] and runs["eager"]["cuda_graph_shapes"] == 0
+    for name in ("graphs", "compiled"):
+        run = runs[name]
+        # Step 1 runs as it is; every later step replays a graph, so some shape was recorded.
+        assert run["cuda_graphs"] and run["compiled"] == (name == "compiled") and run["cuda_graph_shapes"] >= 1
+        assert run["last_loss"] == pytest.approx(runs["eager"]["last_loss"], rel=1e-3), name
+        assert run["eval"]["per_position_accuracy"] == pytest.approx(
+            runs["eager"]["eval"]["per_position_accuracy"], abs=0.02), name
+        a, b = _weights(tmp_path / "eager"), _weights(tmp_path / name)
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-4, msg=f"{name}: {k}")

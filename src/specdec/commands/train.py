@@ -21,7 +21,7 @@ examples:
   specdec train --target smollm2-135m-instruct --data runs/smol/capture -o runs/smol/train
   specdec train --target smollm2-135m-instruct --online --data runs/smol/regen.jsonl -o runs/smol/train
   specdec train ... --compile                         # a long run on a GPU: the TTT step compiled once
-  specdec train ... --cuda-graphs                     # compiled, and each step replayed as a CUDA graph
+  specdec train ... --compile --cuda-graphs           # compiled, each step replayed as a CUDA graph
   specdec train ... --resume                          # after a crash or kill -9
   specdec train ... --init yuhuili-style-drafter/     # fine-tune, vocab mapping kept
   torchrun --nproc-per-node 2 -m specdec train --target T --data CAP -o OUT   # DDP (gloo on CPU)
@@ -74,8 +74,9 @@ def register(subparsers) -> None:
                    help="compile the TTT step (one graph for every step and batch shape): faster steps on a "
                         "GPU after a first step that waits minutes for the compiler; for long runs")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="--compile, and on a GPU each compiled step replayed as a CUDA graph: batches are padded "
-                        "to one shape per length bucket (--length-multiple, 64 unless given), one graph per shape")
+                   help="on one GPU, record each optimizer step (forward, backward, AdamW) as a CUDA graph and "
+                        "replay it: batches are padded to one shape per length bucket (--length-multiple, 64 "
+                        "unless given), one graph per shape; with --compile or without")
     p.add_argument("--length-multiple", type=int, default=1,
                    help="pad each batch's length to a multiple of this and its rows to what --batch-tokens holds "
                         "at that length: one batch shape per length bucket (default: 1, each batch its own shape)")

@@ -31,6 +31,7 @@ from .config import TrainConfig
 from .data import GRAPH_LENGTH_MULTIPLE, global_batches, is_heldout, padded_shape, step_batches
 from .drafter_init import copy_target_embedding, make_drafter
 from .prefetch import Prefetch
+from .step_graphs import StepGraphs, hold_lr
 from .ttt import EAGER, Batch, TargetArgmaxCache, TargetHead, TTTSteps, ttt_loss, walk_acceptance
 
 
@@ -58,15 +59,14 @@ class DrafterTTT(nn.Module):
                 torch.tensor([w[0] for w in walks]), torch.tensor([w[1] for w in walks]))
 
 
-def compiled_steps(backend: str = "inductor", cuda_graphs: bool = False) -> TTTSteps:
+def compiled_steps(backend: str = "inductor") -> TTTSteps:
     """The TTT step's functions compiled (`train --compile`): every step and every batch shape
     runs one graph each (sizes symbolic, `dynamic=True`); a graph break is an error, not a silent
     return to eager. Inductor's coalescing analysis for tiling asserts on some symbolic sizes (it
-    is meant for static shapes), so it is off here, for these functions only. `cuda_graphs`:
-    inductor records each graph's kernels as a CUDA graph per batch shape and replays it."""
+    is meant for static shapes), so it is off here, for these functions only."""
     options = None
     if backend == "inductor":
-        options = {"triton.coalesce_tiling_analysis": False, "triton.cudagraphs": cuda_graphs}
+        options = {"triton.coalesce_tiling_analysis": False}
     return TTTSteps().compiled(dynamic=True, fullgraph=True, backend=backend, options=options)
 
 
@@ -166,17 +166,21 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         copy_target_embedding(drafter, target)
     drafter.to(device)
     head = TargetHead.from_target(target).to(device)
-    graphs = cfg.cuda_graphs and cuda  # CUDA graphs exist on CUDA only; elsewhere the compiled steps
-    compiled = cfg.compile or cfg.cuda_graphs
+    # CUDA graphs exist on CUDA only, and a recorded step would hold DDP's gradient exchange.
+    graphs = cfg.cuda_graphs and cuda and world == 1
+    if cfg.cuda_graphs and not graphs:
+        log(f"specdec train: --cuda-graphs needs one GPU (here: {'world size ' + str(world) if cuda else 'no GPU'}); "
+            "training without them")
     multiple = GRAPH_LENGTH_MULTIPLE if graphs and cfg.length_multiple == 1 else cfg.length_multiple
     module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay, cfg.feature_loss,
-                        compiled_steps(cuda_graphs=graphs) if compiled else EAGER).to(device)
+                        compiled_steps() if cfg.compile else EAGER).to(device)
     argmax_cache = TargetArgmaxCache(source, head, device)
     wrapped = module
     if world > 1:
         wrapped = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if cuda else None)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), fused=cuda)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), fused=cuda,
+                            capturable=graphs)
     per_epoch = len(global_batches(train_idx, source.lengths, cfg.batch_tokens, seed=cfg.seed, epoch=0,
                                    multiple=multiple))
     total = max(1, int(math.ceil(cfg.epochs * per_epoch)))
@@ -191,7 +195,8 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         step, history = state["step"], state.get("history", [])
         info["resumed_from"] = str(ckpt)
         log(f"specdec train: resuming from {ckpt} (step {step}/{total})")
-    info["compiled"] = compiled
+    hold_lr(opt, device if graphs else None)  # after the scheduler read its base rate, and after a resume
+    info["compiled"] = cfg.compile
     info["cuda_graphs"] = graphs
     info["length_multiple"] = multiple
     bf16 = compute_dtype(device) == torch.bfloat16 if cfg.bf16 is None else cfg.bf16
@@ -228,19 +233,39 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
             shape = (-(-rows // world), length)  # this process's share of the rows
         return sum(len(s["input_ids"]) for s in samples), _to(samples, device, dtype, shape)
 
+    def forward_backward(inputs):
+        with autocast():
+            loss, correct, _, counted = wrapped(*inputs)
+        loss.backward()
+        return loss, correct, counted
+
+    def update(inputs) -> torch.Tensor:
+        """One optimizer step; its figures as one tensor: loss, positions right at step 0, positions
+        scored, gradient norm."""
+        loss, correct, counted = forward_backward(inputs)
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        return torch.stack([t.detach().float() for t in (loss, correct[0], counted, gnorm)])
+
+    def warm(inputs):  # before a shape's recording: the forward and backward, the weights left alone
+        forward_backward(inputs)
+        opt.zero_grad(set_to_none=True)
+
+    recorded = StepGraphs(update, warm, device) if graphs else None
+
     def show(done):
         """A finished step's figures, read while the next step is already queued on a GPU."""
         nonlocal last_loss
-        at, loss, correct0, counted, gnorm, lr = done
-        loss, counted = loss.item(), float(counted)
+        at, stats, lr = done
+        loss, correct0, counted, gnorm = stats.tolist()
         last_loss = loss
-        acc0 = float(correct0) / counted if counted else 0.0
+        acc0 = correct0 / counted if counted else 0.0
         rate = tokens_seen / max(1e-9, time.perf_counter() - t0)
         bar.update(task, completed=at, stats=f"loss {loss:.3f} acc0 {acc0:.2f} {rate:,.0f} tok/s")
         if tb is not None:
             tb.add_scalar("train/loss", loss, at)
             tb.add_scalar("train/lr", lr, at)
-            tb.add_scalar("train/grad_norm", float(gnorm), at)
+            tb.add_scalar("train/grad_norm", gnorm, at)
             tb.add_scalar("train/tokens_per_s", rate, at)
 
     # A resume may start mid-epoch: step_batches locates the step, then walks the epochs forward.
@@ -249,20 +274,16 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     pending = None
     with bar:
         for n_tokens, inputs in Prefetch(load, schedule, device):
-            if graphs:  # a new step: the last step's graph outputs may be overwritten
-                torch.compiler.cudagraph_mark_step_begin()
-            with autocast():
-                loss, correct, _, counted = wrapped(*inputs)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
+            # The first step creates the optimizer's state, which a recorded step must find in place.
+            stats = recorded(inputs) if recorded is not None and opt.state else update(inputs)
             sched.step()
             step += 1
             tokens_seen += n_tokens * world
             if pending is not None:
                 show(pending)
-            pending = (step, loss.detach(), correct[0], counted, gnorm, sched.get_last_lr()[0])
+            # The rate from the schedule on the host: the group's own may be a device tensor.
+            pending = (step, stats, sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch))
             evaluate = heldout and (step % cfg.eval_every == 0 or step == total)
             save = rank == 0 and (step % cfg.save_every == 0 or step == total)
             if evaluate or save:
@@ -294,6 +315,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
             show(pending)
     if world > 1:
         dist.barrier()
+    info["cuda_graph_shapes"] = len(recorded.graphs) if recorded is not None else 0
     summary = {"steps": step, "tokens_per_s": tokens_seen / max(1e-9, time.perf_counter() - t0),
                "last_loss": last_loss, "eval": last_eval, "matmul_dtype": dtype_name(dtype), **info}
     if rank == 0:

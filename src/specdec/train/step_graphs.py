@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from ..errors import SpecdecError
+
 
 class StepGraphs:
     """`step(inputs) -> stats` (a small tensor) recorded once per input shape, then replayed.
@@ -57,9 +59,14 @@ class StepGraphs:
             self.warm(static)
         torch.cuda.current_stream().wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the prefetch thread keeps loading batches (and syncing) while this records.
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-            stats = self.step(static)
+        try:
+            # thread_local: the prefetch thread keeps loading batches (and syncing) while this records.
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                stats = self.step(static)
+        except RuntimeError as e:
+            raise SpecdecError(
+                f"recording a training step as a CUDA graph failed for batch shape {self.key(inputs)}: {e}. "
+                "Train without --cuda-graphs; --resume continues from the last checkpoint") from e
         return graph, static, stats
 
 

@@ -438,3 +438,39 @@ def test_cuda_graph_training_trains_as_eager(tiny, capture_dir, tmp_path):
         a, b = _weights(tmp_path / "eager"), _weights(tmp_path / name)
         for k in a:
             torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-4, msg=f"{name}: {k}")
+
+
+def test_a_learning_rate_held_in_a_tensor_follows_the_schedule_in_place_and_round_trips():
+    """What a step recorded as a CUDA graph relies on (train/step_graphs.py, hold_lr): once the
+    scheduler has read its base rate, the group's rate becomes one tensor that every scheduler step
+    fills in place (a graph reads it by address), the updates equal those of a float rate, and a
+    checkpoint of either kind loads back into either kind."""
+    from specdec.train.loop import lr_factor
+    from specdec.train.step_graphs import hold_lr
+
+    def setup(tensor: bool):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4, 3))
+        opt = torch.optim.AdamW([w], lr=1e-2, foreach=False)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 10, 3, 0.1))
+        hold_lr(opt, torch.device("cpu") if tensor else None)
+        return w, opt, sched
+
+    w_f, opt_f, sched_f = setup(False)
+    w_t, opt_t, sched_t = setup(True)
+    held = opt_t.param_groups[0]["lr"]
+    assert isinstance(held, torch.Tensor) and isinstance(opt_f.param_groups[0]["lr"], float)
+    for step in range(8):
+        for w, opt, sched in ((w_f, opt_f, sched_f), (w_t, opt_t, sched_t)):
+            w.grad = torch.full_like(w, 0.5 + step)
+            opt.step()
+            sched.step()
+        assert opt_t.param_groups[0]["lr"] is held  # filled in place, never replaced
+        assert float(held) == pytest.approx(1e-2 * lr_factor(step + 1, 10, 3, 0.1), rel=1e-6)
+        torch.testing.assert_close(w_t, w_f, rtol=1e-6, atol=1e-7)
+    for source, into in ((opt_t, False), (opt_f, True)):
+        _, opt, _ = setup(into)
+        opt.load_state_dict(source.state_dict())
+        hold_lr(opt, torch.device("cpu") if into else None)
+        assert isinstance(opt.param_groups[0]["lr"], torch.Tensor) == into
+        assert float(opt.param_groups[0]["lr"]) == pytest.approx(float(held), rel=1e-6)

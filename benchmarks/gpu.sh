@@ -10,6 +10,8 @@
 #   drafter-step      one drafting round on the Triton kernels against inductor's; engine steps
 #   train-throughput  `specdec train` tokens/s, eager, compiled and as CUDA graphs, on SmolLM2's drafter (SHAPES=8b: a
 #                     Llama-3.1-8B drafter's shapes)
+#   train-graphs      the CUDA training tests, then eager against the step recorded as CUDA graphs (eager and
+#                     compiled kernels inside) on both drafters' shapes, in one call
 #   regen-throughput  BatchDecoder against HF generate, real SmolLM2 on ShareGPT          (staged)
 #   quickstart        `specdec quickstart` on the GPU defaults; each call resumes it; once it ends,
 #                     its drafter comes home in pieces of < 16 MiB                          (staged)
@@ -29,7 +31,8 @@
 set -euo pipefail
 usage() { sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
-  headline | decode8b | smollm2 | drafter-step | train-throughput | regen-throughput | quickstart | bench | trees \
+  headline | decode8b | smollm2 | drafter-step | train-throughput | train-graphs | regen-throughput | quickstart \
+    | bench | trees \
     | serve-check | stage) ;;
   -h | --help) usage; exit 0 ;;
   *) usage >&2; exit 2 ;;
@@ -101,6 +104,14 @@ train_throughput() {  # SHAPES=8b: a Llama-3.1-8B drafter's shapes
       --profile-steps 0)
   fi
   run 540 python3 benchmarks/train_throughput.py --out "$OUT" "${shapes[@]}"
+}
+train_graphs() {
+  local rows=eager,graphs,graphs-compiled,graphs-compiled-warm
+  DEADLINE=$(($(date +%s) + ${TRAIN_GRAPHS_S:-570}))
+  run 150 python3 -m pytest -q -x tests/test_train.py -k cuda
+  run 200 python3 benchmarks/train_throughput.py --out "$OUT" --rows "$rows" --profile-steps 0
+  run 210 python3 benchmarks/train_throughput.py --out "$OUT" --shapes 8b --samples 300 --steps 40 --rows "$rows" \
+    --profile-steps 0
 }
 regen_throughput() {
   need "$GGUF" "$DATA/sharegpt.jsonl"

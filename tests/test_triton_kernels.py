@@ -326,6 +326,10 @@ def test_drafter_chain_through_the_kernels_matches_the_modules(tiny_targets, k, 
             if "norm" in name:
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
     assert applies(drafter, k + 1, KernelConfig())
+    # The kernels compute SiLU: a drafter with another MLP activation stays on its own modules.
+    gelu = copy.deepcopy(drafter)
+    gelu.cfg.hidden_act = "gelu_pytorch_tanh"
+    assert not applies(gelu, k + 1, KernelConfig())
     calls = {"attention": 0}
 
     def counted(*a, real=decode_attention.decode_attention):

@@ -31,13 +31,15 @@ from .layer_math import rms_norm, rotate_half
 def applies(drafter: Eagle3Drafter, rows: int, kernels: KernelConfig) -> bool:
     """Whether the kernels can take this drafter for steps of up to `rows` tokens: a bf16/fp16
     drafter where Triton runs (gemv.runs_on), a head size and query rows decode_attention takes, the plain fc
-    (the gpt-oss-style norms before fc stay on the compiled layer)."""
+    (the gpt-oss-style norms before fc stay on the compiled layer), and a SiLU MLP (the gate/up
+    kernel and the layer's ops below compute SiLU)."""
     cfg = drafter.cfg
     w = drafter.lm_head.weight
     hd, nkv = cfg.head_dim, cfg.num_key_value_heads
     g = cfg.num_attention_heads // nkv
     return (gemv.runs_on(w) and hd >= 16 and hd & (hd - 1) == 0 and g * rows <= kernels.attention_max_rows
-            and rows <= kernels.rows_max and drafter.input_norm is None and drafter.fc_norm is None)
+            and rows <= kernels.rows_max and drafter.input_norm is None and drafter.fc_norm is None
+            and cfg.hidden_act == "silu")
 
 
 class KernelLayer:

@@ -165,8 +165,8 @@ def main() -> None:
         tok_s = s["tokens_per_s"]
         mfu = tok_s * fpt / HOPPER_BF16_PEAK if dev == "cuda" else None
         r = {"tag": args.tag, "row": row, "shapes": args.shapes, "device": dev, "card": card_name(),
-             "steps": s["steps"], "tokens_per_s": tok_s, "cuda_graphs": s.get("cuda_graphs"), "compiled": s.get("compiled"),
-             "cuda_graph_shapes": s.get("cuda_graph_shapes"),
+             "steps": s["steps"], "tokens_per_s": tok_s, "compiled": s.get("compiled"),
+             "cuda_graphs": s.get("cuda_graphs"), "cuda_graph_shapes": s.get("cuda_graph_shapes"),
              "last_loss": s.get("last_loss"),
              "wall_s": time.perf_counter() - t, "flops_per_token": fpt, "mfu": mfu}
         if args.out:  # row by row: a run stopped at its time limit keeps what it measured

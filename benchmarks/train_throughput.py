@@ -145,6 +145,12 @@ def main() -> None:
           flush=True)
     ctx = sum(m * m / 2 for m in lengths) / sum(lengths)
     fpt = flops_per_token(cfg, ttt, vocab, ctx)
+
+    def record(result: dict) -> None:  # row by row: a run stopped at its time limit keeps what it measured
+        if args.out:
+            with open(Path(args.out) / f"{card_name()}_train_throughput.jsonl", "a") as f:
+                f.write(json.dumps(result) + "\n")
+
     for row in rows:
         evals = dict(eval_every=100, save_every=200) if row == "quickstart" else dict(eval_every=10**9,
                                                                                      save_every=10**9)
@@ -158,9 +164,7 @@ def main() -> None:
         except Exception as e:  # a row that fails leaves the others to run; its error is the result
             error = f"{type(e).__name__}: {e}"
             print(f"[{args.tag}] {args.shapes} {row}: failed: {error}", flush=True)
-            if args.out:
-                with open(Path(args.out) / f"{card_name()}_train_throughput.jsonl", "a") as f:
-                    f.write(json.dumps({"tag": args.tag, "row": row, "shapes": args.shapes, "error": error}) + "\n")
+            record({"tag": args.tag, "row": row, "shapes": args.shapes, "error": error})
             continue
         tok_s = s["tokens_per_s"]
         mfu = tok_s * fpt / HOPPER_BF16_PEAK if dev == "cuda" else None
@@ -169,9 +173,7 @@ def main() -> None:
              "cuda_graphs": s.get("cuda_graphs"), "cuda_graph_shapes": s.get("cuda_graph_shapes"),
              "last_loss": s.get("last_loss"),
              "wall_s": time.perf_counter() - t, "flops_per_token": fpt, "mfu": mfu}
-        if args.out:  # row by row: a run stopped at its time limit keeps what it measured
-            with open(Path(args.out) / f"{card_name()}_train_throughput.jsonl", "a") as f:
-                f.write(json.dumps(r) + "\n")
+        record(r)
         print(f"[{args.tag}] {args.shapes} {row}: {tok_s:,.0f} tok/s over {s['steps']} steps, last loss "
               f"{r['last_loss']:.4f}" + (f", MFU {mfu:.1%}" if mfu is not None else "")
               + f" ({fpt / 1e9:.2f} GFLOP per token, {r['wall_s']:.0f} s in all)", flush=True)
@@ -185,7 +187,7 @@ def main() -> None:
                                batch_tokens=batch_tokens, ttt_steps=ttt, draft_vocab_size=vocab, eval_every=10**9,
                                save_every=10**9, eval_percent=0.0, **row_settings(measured[-1]))
 
-        train(target, OfflineSource(store), profiled("warm"), target_name=target.name, progress=False)  # compiled
+        train(target, OfflineSource(store), profiled("warm"), target_name=target.name, progress=False)  # compiles, warms up
         tc = profiled("profile")
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -187,7 +187,8 @@ def main() -> None:
                                batch_tokens=batch_tokens, ttt_steps=ttt, draft_vocab_size=vocab, eval_every=10**9,
                                save_every=10**9, eval_percent=0.0, **row_settings(measured[-1]))
 
-        train(target, OfflineSource(store), profiled("warm"), target_name=target.name, progress=False)  # compiles, warms up
+        # A first run compiles (where the row compiles) and warms up, outside the profile.
+        train(target, OfflineSource(store), profiled("warm"), target_name=target.name, progress=False)
         tc = profiled("profile")
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -9,10 +9,10 @@ The target answers each conversation's user turns, turn by turn (every assistant
 by the target's own answer; --single-turn asks only the first user turn). A drafter trained on
 the target's own answers learns what the target will say, not what ChatGPT once said.
 
-In process: batched plain decoding of left-padded batches, longest prompts first. Greedy
-batches of a Llama-family target (Llama, Qwen2/3, Mistral, SmolLM2) run on a static cache with
-every decode step one CUDA graph (many times HF generate's throughput); sampling and other
-architectures run HF generate (--hf-generate forces it).
+In process: batched plain decoding of left-padded batches, longest prompts first. Batches of a
+Llama-family target (Llama, Qwen2/3, Mistral, SmolLM2), greedy or sampled, run on a static cache
+with every decode step one CUDA graph (many times HF generate's throughput); other architectures
+run HF generate (--hf-generate forces it).
 With --endpoint: any OpenAI-compatible server (vLLM, SGLang, specdec serve), --concurrency
 requests in flight, retries with exponential backoff on connection errors, 429 and 5xx.
 

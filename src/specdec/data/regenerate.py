@@ -157,8 +157,8 @@ def pending_conversations(conversations: Sequence, out_path: str | Path, single_
 
 def generate_batch(target, prompts: Sequence[Sequence[int]], cfg: RegenConfig, decoder=None
                    ) -> list[tuple[list[int], str]]:
-    """Batched plain decoding of a left-padded batch: with `decoder` (a BatchDecoder) when greedy,
-    else HF `generate`.
+    """Batched plain decoding of a left-padded batch: with `decoder` (a BatchDecoder) where the
+    sequences fit it, else HF `generate`; greedy, or sampled under cfg's temperature and top-p.
 
     Returns, per prompt, (new token ids up to and including the first eos, finish reason).
     """
@@ -168,8 +168,11 @@ def generate_batch(target, prompts: Sequence[Sequence[int]], cfg: RegenConfig, d
     eos = list(target.eos_token_ids)
     tok = target.tokenizer
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else (eos[0] if eos else 0)
-    if decoder is not None and cfg.temperature <= 0 and decoder.fits(max(map(len, prompts)) + cfg.max_new_tokens):
-        return decoder.generate([list(p) for p in prompts], cfg.max_new_tokens, eos, pad)
+    if decoder is not None and decoder.fits(max(map(len, prompts)) + cfg.max_new_tokens):
+        from ..engine.api import SamplingParams
+
+        rule = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p)
+        return decoder.generate([list(p) for p in prompts], cfg.max_new_tokens, eos, pad, sampling=rule)
     B, T = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((B, T), pad, dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.long)
@@ -217,7 +220,7 @@ def regenerate_local(
 ) -> RegenSummary:
     """Answer `conversations` with the in-process target and append records to `out_path`.
 
-    `fast` (None: wherever it applies) decodes greedy batches with BatchDecoder instead of HF
+    `fast` (None: wherever it applies) decodes batches with BatchDecoder instead of HF
     `generate`."""
     import torch
 
@@ -229,11 +232,11 @@ def regenerate_local(
         raise SpecdecError("the target has no tokenizer; regenerate renders prompts with its chat template")
     todo, skipped = pending_conversations(conversations, out_path, cfg.single_turn)
     summary = RegenSummary(skipped_done=skipped, total=skipped + len(todo))
-    decoder = batch_decoder(target, cfg) if fast is not False and todo else None
+    decoder = batch_decoder(target) if fast is not False and todo else None
     if fast and decoder is None and todo:
-        raise SpecdecError(f"the batch decoder does not apply here: {batch_decoder_blocker(target, cfg)}")
+        raise SpecdecError(f"the batch decoder does not apply here: {batch_decoder_blocker(target)}")
     if todo and progress:
-        log(f"decoding with {_decoder_name(target, decoder, fast, cfg)}")
+        log(f"decoding with {_decoder_name(target, decoder, fast)}")
     if cfg.temperature > 0:
         torch.manual_seed(cfg.seed)
     max_len = getattr(target.config, "max_position_embeddings", None) or 1 << 30
@@ -288,12 +291,10 @@ def regenerate_local(
     return summary
 
 
-def batch_decoder_blocker(target, cfg: RegenConfig) -> str | None:
-    """Why BatchDecoder cannot answer for `target` under `cfg` (None: it can)."""
+def batch_decoder_blocker(target) -> str | None:
+    """Why BatchDecoder cannot answer for `target` (None: it can)."""
     from ..engine.static_layers import check_supported
 
-    if cfg.temperature > 0:
-        return "sampling (--temperature > 0): the batch decoder is greedy"
     if getattr(target.model, "hf_device_map", None) and len(set(target.model.hf_device_map.values())) > 1:
         return "the target is split over devices (--device-map)"
     try:
@@ -303,16 +304,16 @@ def batch_decoder_blocker(target, cfg: RegenConfig) -> str | None:
     return None
 
 
-def _decoder_name(target, decoder, fast: bool | None, cfg: RegenConfig) -> str:
+def _decoder_name(target, decoder, fast: bool | None) -> str:
     if decoder is not None:
         return "the batch decoder (static cache" + (", CUDA graphs)" if target.device.type == "cuda" else ")")
-    return "HF generate (" + ("--hf-generate" if fast is False else batch_decoder_blocker(target, cfg)) + ")"
+    return "HF generate (" + ("--hf-generate" if fast is False else batch_decoder_blocker(target)) + ")"
 
 
-def batch_decoder(target, cfg: RegenConfig | None = None):
-    """A BatchDecoder over the target's weights, or None where it does not apply under `cfg`
-    (default: greedy; see batch_decoder_blocker)."""
-    if batch_decoder_blocker(target, cfg or RegenConfig()) is not None:
+def batch_decoder(target):
+    """A BatchDecoder over the target's weights, or None where it does not apply (see
+    batch_decoder_blocker)."""
+    if batch_decoder_blocker(target) is not None:
         return None
     from ..engine.batch import BatchDecoder
 

@@ -277,7 +277,7 @@ def write_self_prompts(target, path: str | Path, cfg: SelfPromptConfig, *, progr
 
     from ..progress import progress_bar
     from .chat import stop_strings
-    from .regenerate import RegenConfig, generate_batch
+    from .regenerate import RegenConfig, batch_decoder, generate_batch
 
     tok = target.tokenizer
     if tok is None:
@@ -295,6 +295,7 @@ def write_self_prompts(target, path: str | Path, cfg: SelfPromptConfig, *, progr
     stops = stop_strings(tok)
     eos = set(target.eos_token_ids)
     gen = RegenConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p)
+    decoder = batch_decoder(target) if cfg.limit > stats.total else None
     t0 = time.perf_counter()
     idle = 0
     with open(path, "a", encoding="utf-8") as f, progress_bar(enabled=progress) as prog:
@@ -309,7 +310,7 @@ def write_self_prompts(target, path: str | Path, cfg: SelfPromptConfig, *, progr
             n = min(cfg.batch_size, max(4, 2 * need))  # oversampled: the filters drop a share
             slots = [(stats.total + i) % len(headers) for i in range(n)]  # topics round-robin
             torch.manual_seed(_round_seed(cfg.seed, stats.total, idle))
-            outs = generate_batch(target, [header_ids[s] for s in slots], gen)
+            outs = generate_batch(target, [header_ids[s] for s in slots], gen, decoder)
             before = stats.kept
             for s, (new, reason) in zip(slots, outs):
                 if stats.total >= cfg.limit:

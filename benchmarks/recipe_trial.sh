@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One drafter recipe, start to end on one GPU: prompts from three sources answered by the target,
+# a drafter trained online on all of them (no capture on disk), then acceptance at k = 5 on
+# MT-Bench and HumanEval against plain decoding, and n-gram lookup on MT-Bench for scale.
+# Every stage resumes, so a rerun after a stop continues; DIR/done marks the end.
+#
+#   bash benchmarks/recipe_trial.sh DIR
+#   FIRST=14000 SELF=6000 MULTI=3000 EPOCHS=3 CUDA_GRAPHS=1 bash benchmarks/recipe_trial.sh /root/recipe
+#
+# FIRST: ShareGPT first turns of <= 600 characters (the GPU quickstart's prompts), answered once.
+# MULTI: further such conversations with every user turn answered on the regenerated history.
+# SELF:  prompts the target writes itself (--prompts self) over TOPICS, then answers.
+set -euo pipefail
+D=$1
+T=${TARGET:-smollm2-135m-instruct}
+TOPICS=${TOPICS:-"programming,mathematics,creative writing,role-play,logical reasoning,science,history and \
+culture,business and economics,health,travel,summarizing or extracting facts from a text,everyday advice"}
+mkdir -p "$D"
+stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
+
+stamp "prompts"
+python3 - "$D" "${FIRST:-14000}" "${MULTI:-3000}" <<'EOF'
+import json, sys
+from specdec.data.datasets import short_first_turns
+d, first, multi = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+convs = short_first_turns("sharegpt", 600, pool=4 * (first + multi))
+for name, part, whole in (("first", convs[:first], False), ("multi", convs[first:first + multi], True)):
+    with open(f"{d}/{name}.prompts.jsonl", "w") as f:
+        for c in part:
+            f.write(json.dumps({"id": c.id, "messages": c.messages if whole else c.messages[:1]}) + "\n")
+    print(name, len(part))
+EOF
+regen() { python3 -m specdec regenerate --target "$T" --max-new-tokens 256 --no-progress "$@"; }
+stamp "regenerate first turns"
+regen --prompts "$D/first.prompts.jsonl" --single-turn -o "$D/first.jsonl"
+if [ "${SELF:-6000}" -gt 0 ]; then
+  stamp "write and answer own prompts"
+  regen --prompts self --limit "${SELF:-6000}" --self-topics "$TOPICS" -o "$D/self.jsonl"
+fi
+if [ "${MULTI:-3000}" -gt 0 ]; then
+  stamp "regenerate whole conversations"
+  regen --prompts "$D/multi.prompts.jsonl" -o "$D/multi.jsonl"
+fi
+parts=("$D/first.jsonl")
+for f in "$D/self.jsonl" "$D/multi.jsonl"; do if [ -f "$f" ]; then parts+=("$f"); fi; done
+cat "${parts[@]}" > "$D/all.jsonl"
+wc -l "${parts[@]}" "$D/all.jsonl"
+
+stamp "train online"
+[ -f "$D/train/train_summary.json" ] || python3 -m specdec train --target "$T" --online --data "$D/all.jsonl" \
+  -o "$D/train" --epochs "${EPOCHS:-3}" --batch-tokens 4096 --ttt-steps 7 --draft-vocab-size 16384 --lr 1e-3 \
+  --eval-every 1000 --save-every 1000 --resume ${CUDA_GRAPHS:+--cuda-graphs} --json > "$D/train.json"
+cp "$D/train/train_summary.json" "$D/train_summary.json"
+
+evaluate() {  # evaluate NAME ARGS...
+  [ -s "$D/$1.json" ] || python3 -m specdec eval --target "$T" --limit 20 --max-new-tokens 256 --compare-plain \
+    --no-progress --json "${@:2}" > "$D/$1.json"
+}
+stamp "evaluate"
+evaluate eval_mtbench_k5 --drafter "$D/train/drafter" --k 5
+evaluate eval_humaneval_k5 --drafter "$D/train/drafter" --k 5 --prompts humaneval
+evaluate eval_mtbench_ngram --ngram 3
+stamp "done"
+touch "$D/done"

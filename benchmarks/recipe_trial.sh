@@ -9,12 +9,10 @@
 #
 # FIRST: ShareGPT first turns of <= 600 characters (the GPU quickstart's prompts), answered once.
 # MULTI: further such conversations with every user turn answered on the regenerated history.
-# SELF:  prompts the target writes itself (--prompts self) over TOPICS, then answers.
+# SELF:  prompts the target writes itself (--prompts self, --self-topics broad), then answers.
 set -euo pipefail
 D=$1
 T=${TARGET:-smollm2-135m-instruct}
-TOPICS=${TOPICS:-"programming,mathematics,creative writing,role-play,logical reasoning,science,history and \
-culture,business and economics,health,travel,summarizing or extracting facts from a text,everyday advice"}
 mkdir -p "$D"
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 
@@ -35,7 +33,7 @@ stamp "regenerate first turns"
 regen --prompts "$D/first.prompts.jsonl" --single-turn -o "$D/first.jsonl"
 if [ "${SELF:-6000}" -gt 0 ]; then
   stamp "write and answer own prompts"
-  regen --prompts self --limit "${SELF:-6000}" --self-topics "$TOPICS" -o "$D/self.jsonl"
+  regen --prompts self --limit "${SELF:-6000}" --self-topics broad -o "$D/self.jsonl"
 fi
 if [ "${MULTI:-3000}" -gt 0 ]; then
   stamp "regenerate whole conversations"

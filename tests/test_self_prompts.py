@@ -316,3 +316,22 @@ def test_self_topics_without_self_prompts_is_an_error(tmp_path, capsys):
     assert main(["regenerate", "--target", "tiny-llama", "--prompts", "mt-bench", "--self-topics", "x",
                  "-o", str(tmp_path / "r.jsonl")]) != 0
     assert "--self-topics applies only" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_quickstart_adds_own_prompts_over_the_broad_topics(smol, tmp_path):
+    """`quickstart --self-prompts N`: N prompts SmolLM2 samples on the batch decoder, spread over
+    the broad topics, kept next to regen.jsonl, returned as one-turn conversations to answer; a
+    rerun reads them back instead of sampling again."""
+    from specdec.commands.quickstart import own_prompts
+    from specdec.data.self_prompts import BROAD_TOPICS, parse_topics
+
+    assert parse_topics("broad") == list(BROAD_TOPICS)
+    lines = []
+    convs = own_prompts(smol, tmp_path / "regen.jsonl", 3, 4, log=lines.append)
+    kept = read_jsonl(tmp_path / "regen.self-prompts.jsonl")
+    assert [c.messages[0]["content"] for c in convs] == [r["prompt"] for r in kept] and len(kept) == 3
+    assert all(r["topic"] in BROAD_TOPICS for r in kept) and all(filter_reason(r["prompt"]) is None for r in kept)
+    assert "self-written prompts: 3 (3 new" in lines[0]
+    assert [c.id for c in own_prompts(smol, tmp_path / "regen.jsonl", 3, 4, log=lines.append)] == [c.id for c in convs]
+    assert "(0 new, 3 from an earlier run)" in lines[1]

@@ -30,7 +30,7 @@ examples:
 # Small batches at a higher learning rate: on the same capture they gave a higher held-out
 # simulated acceptance length than larger batches at a lower one (benchmarks/drafter_recipes.py).
 # More prompts changed nothing measurable, so the time bf16 saves goes to more evaluation prompts.
-CPU = dict(prompts=320, max_new_tokens=128, epochs=6.0, draft_vocab_size=2048, ttt_steps=4, lr=3e-3,
+CPU = dict(prompts=320, self_prompts=0, max_new_tokens=128, epochs=6.0, draft_vocab_size=2048, ttt_steps=4, lr=3e-3,
            eval_prompts=10, eval_max_new_tokens=96, max_length=384, batch_tokens=256, batch_size=64,
            eval_every=200, save_every=200)
 # On the GPU, every ShareGPT first turn of <= 600 characters (the batch decoder regenerates them
@@ -42,7 +42,7 @@ CPU_FP32 = dict(prompts=224, epochs=5.0, eval_prompts=6)
 # A checkpoint (drafter and AdamW state, written and fsynced) every `save_every` steps: often
 # enough that a stopped run loses under a minute, seldom enough that writing them stays a small
 # share of the training time on either device.
-GPU = dict(prompts=14000, max_new_tokens=256, epochs=6.0, draft_vocab_size=16384, ttt_steps=7, lr=1e-3,
+GPU = dict(prompts=14000, self_prompts=0, max_new_tokens=256, epochs=6.0, draft_vocab_size=16384, ttt_steps=7, lr=1e-3,
            eval_prompts=20, eval_max_new_tokens=256, max_length=2048, batch_tokens=4096, batch_size=256,
            eval_every=500, save_every=500)
 
@@ -65,6 +65,10 @@ def register(subparsers) -> None:
     p.add_argument("--target", default="smollm2-135m-instruct", help="default: smollm2-135m-instruct")
     p.add_argument("--out", default="runs/quickstart", help="run directory (default: runs/quickstart)")
     p.add_argument("--prompts", type=int, help=f"ShareGPT prompts to regenerate ({_defaults('prompts')})")
+    p.add_argument("--self-prompts", type=int, metavar="N",
+                   help="also N prompts the target writes itself (the Magpie method over broad topics: see "
+                        "`specdec regenerate --prompts self`), answered with the ShareGPT ones "
+                        f"({_defaults('self_prompts')})")
     p.add_argument("--max-new-tokens", type=int,
                    help=f"answer length when regenerating ({_defaults('max_new_tokens')})")
     p.add_argument("--epochs", type=float, help=f"training epochs ({_defaults('epochs')})")
@@ -130,8 +134,12 @@ def run(args) -> int:
     timings["load"] = time.perf_counter() - t
     d = settings(args, cuda=cuda, fp32=target.dtype == torch.float32)
 
-    t = stage(f"2/5 regenerate {d['prompts']} ShareGPT prompts")
+    own = f" and {d['self_prompts']} of the target's own" if d["self_prompts"] else ""
+    t = stage(f"2/5 regenerate {d['prompts']} ShareGPT prompts{own}")
     convs = short_first_turns("sharegpt", args.max_prompt_chars, pool=max(4 * d["prompts"], 200))[: d["prompts"]]
+    if d["self_prompts"]:
+        convs += own_prompts(target, out / "regen.jsonl", d["self_prompts"], d["batch_size"],
+                             log=lambda m: console.print(m))
     regenerate_local(target, convs, out / "regen.jsonl",
                      RegenConfig(max_new_tokens=d["max_new_tokens"], single_turn=True), batch_size=d["batch_size"])
     timings["regenerate"] = time.perf_counter() - t
@@ -237,6 +245,18 @@ def run(args) -> int:
     }
     print(json.dumps(line))
     return 0
+
+
+def own_prompts(target, regen_path, n: int, batch_size: int, log=print) -> list:
+    """`n` prompts the target writes itself over the broad topics, kept next to the regenerate
+    output (a rerun continues them), as conversations to answer."""
+    from ..data.self_prompts import (BROAD_TOPICS, SelfPromptConfig, load_self_prompts, prompts_path,
+                                     write_self_prompts)
+
+    path = prompts_path(regen_path)
+    cfg = SelfPromptConfig(limit=n, batch_size=batch_size, topics=list(BROAD_TOPICS))
+    log(write_self_prompts(target, path, cfg).line())
+    return load_self_prompts(path, n)
 
 
 def _heldout(summary_file) -> dict:

@@ -75,9 +75,10 @@ def register(subparsers) -> None:
                    help="retries per request on connection errors, 429 and 5xx (default: 6)")
     e.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per request (default: 600)")
     s = p.add_argument_group("prompts written by the target (--prompts self)")
-    s.add_argument("--self-topics", default=None, metavar="LIST|FILE",
-                   help='comma-separated topics, or a file with one per line (e.g. "code,math,writing"); '
-                        "default: none (plain Magpie)")
+    s.add_argument("--self-topics", default=None, metavar="LIST|FILE|broad",
+                   help='comma-separated topics, a file with one per line (e.g. "code,math,writing"), or '
+                        "broad (the quickstart's twelve, from programming to everyday advice); default: none "
+                        "(plain Magpie)")
     s.add_argument("--self-max-tokens", type=int, default=128, metavar="N",
                    help="per prompt; a prompt cut off at this limit is dropped (default: 128)")
     s.add_argument("--self-temperature", type=float, default=1.0, metavar="T", help="prompt sampling (default: 1.0)")

@@ -52,6 +52,10 @@ from .datasets import Conversation
 
 SOURCE_NAME = "self"  # the `--prompts` value that selects this source
 SENTINEL = "\x00SPECDEC_USER_TURN\x00"  # no real message contains a NUL, so one match is the user slot
+# Topics for prompts meant to cover what chat users ask: the quickstart's, and `--self-topics broad`.
+BROAD_TOPICS = ("programming", "mathematics", "creative writing", "role-play", "logical reasoning", "science",
+                "history and culture", "business and economics", "health", "travel",
+                "summarizing or extracting facts from a text", "everyday advice")
 DEFAULT_TOPIC_SYSTEM = ("You are a helpful AI assistant. The user will ask you a question or give you a task "
                         "about {topic}.")
 
@@ -197,9 +201,12 @@ def cut_prompt(text: str, header: UserTurnHeader, stop_strings: Iterable[str]) -
 
 
 def parse_topics(value: str | None) -> list[str]:
-    """A file with one topic per line, or a comma-separated list; empty entries are dropped."""
+    """A file with one topic per line, a comma-separated list, or "broad" (BROAD_TOPICS); empty
+    entries are dropped."""
     if not value:
         return []
+    if value == "broad" and not Path(value).is_file():
+        return list(BROAD_TOPICS)
     path = Path(value).expanduser()
     if path.is_file():
         items = path.read_text(encoding="utf-8").splitlines()

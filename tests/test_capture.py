@@ -86,6 +86,33 @@ def test_padding_in_a_batch_changes_nothing(target):
         torch.testing.assert_close(b["last_hidden"], alone["last_hidden"], atol=1e-5, rtol=1e-5)
 
 
+def test_two_threads_capture_at_once_each_their_own_states(target):
+    """Online training's held-out evaluation captures on the main thread while the prefetch thread
+    captures the next batches: each forward gets its own hidden states (the hooks' store was one
+    per target, and a forward in one thread emptied the other's mid-flight)."""
+    import threading
+
+    rs = [render(target.tokenizer, r["messages"]) for r in records(4)]
+    want = [capture_batch(target, [r], torch.float32)[0] for r in rs]
+    errors = []
+
+    def work(r, ref):
+        try:
+            for _ in range(60):
+                (got,) = capture_batch(target, [r], torch.float32)
+                assert torch.equal(got["aux_hidden"], ref["aux_hidden"])
+                assert torch.equal(got["last_hidden"], ref["last_hidden"])
+        except Exception as e:  # noqa: BLE001 - reported on the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(r, ref)) for r, ref in zip(rs, want)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
 def test_manifest_says_what_made_the_capture(target, tmp_path):
     recs = records(6)
     s = capture(target, tmp_path / "cap", recs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,8 +72,9 @@ class Target:
         self.layers = decoder_layers(model)
         self.last_state = last_state
         self.set_aux_layer_ids(aux_layer_ids, layer_convention)
-        self._captured: dict[int, torch.Tensor] = {}
-        self._capturing = False
+        # What the hooks capture, per thread: online training captures on the prefetch thread and
+        # for its held-out evaluation on the main thread at the same time.
+        self._local = threading.local()
         self._install_hooks()
         import inspect
 
@@ -136,18 +138,18 @@ class Target:
     def _install_hooks(self):
         def pre_hook(idx):
             def fn(module, args, kwargs):
-                if self._capturing and idx in self.aux_layer_ids:
-                    hs = args[0] if args else kwargs["hidden_states"]
-                    self._captured[idx] = hs
+                captured = getattr(self._local, "captured", None)
+                if captured is not None and idx in self.aux_layer_ids:
+                    captured[idx] = args[0] if args else kwargs["hidden_states"]
             return fn
 
         for i, layer in enumerate(self.layers):
             layer.register_forward_pre_hook(pre_hook(i), with_kwargs=True)
 
         def last_hook(module, args, output):
-            if self._capturing:
-                hs = output[0] if isinstance(output, tuple) else output
-                self._captured[self.num_layers] = hs
+            captured = getattr(self._local, "captured", None)
+            if captured is not None:
+                captured[self.num_layers] = output[0] if isinstance(output, tuple) else output
 
         self.layers[-1].register_forward_hook(last_hook)
 
@@ -170,8 +172,7 @@ class Target:
         capture: bool = True,
         logits_to_keep: int | None = None,
     ) -> TargetOutput:
-        self._captured = {}
-        self._capturing = capture
+        captured = self._local.captured = {} if capture else None
         try:
             kwargs = {self._cache_kw: past_key_values}
             if logits_to_keep is not None:
@@ -184,12 +185,11 @@ class Target:
                 **kwargs,
             )
         finally:
-            self._capturing = False
+            self._local.captured = None
         aux = last = None
         if capture:
-            last = self._captured.get(self.num_layers)
-            aux = torch.cat([self.aux_state(i, self._captured[i]) for i in self.aux_layer_ids], dim=-1)
-        self._captured = {}
+            last = captured.get(self.num_layers)
+            aux = torch.cat([self.aux_state(i, captured[i]) for i in self.aux_layer_ids], dim=-1)
         return TargetOutput(logits=out.logits, aux_hidden=aux, last_hidden=last)
 
 

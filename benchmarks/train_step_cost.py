@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from specdec.bench.roofline import llama31_8b_config, random_model, smollm2_135m_config
+from specdec.bench.roofline import drafter_training_shapes, random_model
 from specdec.models.drafter import DrafterConfig, Eagle3Drafter
 from specdec.models.target import Target
 from specdec.train.ttt import Batch, TargetHead, target_argmax, ttt_loss
@@ -90,13 +90,9 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
-    cfg = llama31_8b_config() if args.shapes == "8b" else smollm2_135m_config()
-    if args.shapes == "8b":
-        cfg.num_hidden_layers = 4
-    vocab = args.draft_vocab or (32000 if args.shapes == "8b" else 16384)
+    cfg, aux, vocab = drafter_training_shapes(args.shapes)
+    vocab = args.draft_vocab or vocab
     model = random_model(cfg, device="cpu", dtype=torch.bfloat16)
-    n = cfg.num_hidden_layers
-    aux = [1, 2, 3] if n <= 4 else [2, n // 2, n - 3]
     target = Target(model, None, name=args.shapes, aux_layer_ids=aux)
     drafter = Eagle3Drafter(DrafterConfig.for_target(cfg, draft_vocab_size=vocab, aux_layer_ids=aux))
     drafter.set_vocab_mapping(torch.arange(vocab))

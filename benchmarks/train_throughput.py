@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.bench.roofline import card_name, llama31_8b_config, random_model, smollm2_135m_config
+from specdec.bench.roofline import card_name, drafter_training_shapes, random_model
 from specdec.capture.store import CaptureStore, add_shard, open_or_create_manifest, write_shard
 from specdec.models.target import Target
 from specdec.models.tiny import tiny_config
@@ -121,17 +121,11 @@ def main() -> None:
     settings = {row: row_settings(row) for row in rows}  # an unknown row stops the run before it starts
     dev = "cuda" if torch.cuda.is_available() and not (args.tiny or args.cpu_size) else "cpu"
     if args.tiny:
-        cfg = tiny_config("llama", vocab_size=512)
-    elif args.shapes == "8b":
-        cfg = llama31_8b_config()
-        cfg.num_hidden_layers = 4
+        cfg, aux, vocab = tiny_config("llama", vocab_size=512), [1, 2, 3], 128
     else:
-        cfg = smollm2_135m_config()
+        cfg, aux, vocab = drafter_training_shapes(args.shapes)
     model = random_model(cfg, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
-    n_layers = cfg.num_hidden_layers
-    aux = [1, 2, 3] if n_layers <= 4 else [2, n_layers // 2, n_layers - 3]
     target = Target(model, None, name=f"{args.shapes}-shapes", aux_layer_ids=aux)
-    vocab = 128 if args.tiny else 32000 if args.shapes == "8b" else 16384
     steps = 20 if args.tiny else args.steps
     batch_tokens, ttt = 4096, 7
     if args.cpu_size:

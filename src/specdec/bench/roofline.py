@@ -126,6 +126,21 @@ def smollm2_135m_config():
     )
 
 
+def drafter_training_shapes(shapes: str):
+    """(target config, aux layer ids, draft vocab) of a drafter training benchmark: "smollm2" (the
+    GPU quickstart's drafter) or "8b" (a Llama-3.1-8B drafter). The 8B target keeps 4 layers: only
+    its width, head and embedding enter the drafter's step."""
+    if shapes == "8b":
+        cfg = llama31_8b_config()
+        cfg.num_hidden_layers = 4
+        return cfg, [1, 2, 3], 32000
+    if shapes == "smollm2":
+        cfg = smollm2_135m_config()
+        n = cfg.num_hidden_layers
+        return cfg, [2, n // 2, n - 3], 16384
+    raise ValueError(f"unknown shapes {shapes!r}: expected smollm2 or 8b")
+
+
 def random_model(config, *, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0):
     """An HF causal LM with random weights, built on the meta device and materialised directly
     on `device` in `dtype` (an 8B model never exists in fp32 or on the host)."""

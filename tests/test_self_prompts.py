@@ -334,4 +334,5 @@ def test_the_quickstart_adds_own_prompts_over_the_broad_topics(smol, tmp_path):
     assert all(r["topic"] in BROAD_TOPICS for r in kept) and all(filter_reason(r["prompt"]) is None for r in kept)
     assert "self-written prompts: 3 (3 new" in lines[0]
     assert [c.id for c in own_prompts(smol, tmp_path / "regen.jsonl", 3, 4, log=lines.append)] == [c.id for c in convs]
-    assert "(0 new, 3 from an earlier run)" in lines[1]
+    assert lines[1] == f"prompts in {tmp_path / 'regen.self-prompts.jsonl'}"
+    assert "(0 new, 3 from an earlier run)" in lines[2]

@@ -252,13 +252,10 @@ def run(args) -> int:
 def own_prompts(target, regen_path, n: int, batch_size: int, log=print) -> list:
     """`n` prompts the target writes itself over the broad topics, kept next to the regenerate
     output (a rerun continues them), as conversations to answer."""
-    from ..data.self_prompts import (BROAD_TOPICS, SelfPromptConfig, load_self_prompts, prompts_path,
-                                     write_self_prompts)
+    from ..data.self_prompts import BROAD_TOPICS, SelfPromptConfig, self_prompt_conversations
 
-    path = prompts_path(regen_path)
     cfg = SelfPromptConfig(limit=n, batch_size=batch_size, topics=list(BROAD_TOPICS))
-    log(write_self_prompts(target, path, cfg).line())
-    return load_self_prompts(path, n)
+    return self_prompt_conversations(target, regen_path, cfg, log=log)
 
 
 def _heldout(summary_file) -> dict:

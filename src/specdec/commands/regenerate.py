@@ -157,17 +157,12 @@ def _check_self_args(args) -> None:
 
 
 def _write_own_prompts(target, args, batch: int, progress: bool) -> list:
-    from specdec.data.self_prompts import (PromptFilter, SelfPromptConfig, load_self_prompts, parse_topics,
-                                           prompts_path, write_self_prompts)
+    from specdec.data.self_prompts import PromptFilter, SelfPromptConfig, parse_topics, self_prompt_conversations
 
-    path = prompts_path(args.output)
     cfg = SelfPromptConfig(
         limit=args.limit, seed=args.seed, max_new_tokens=args.self_max_tokens, temperature=args.self_temperature,
         top_p=args.self_top_p, batch_size=batch, topics=parse_topics(args.self_topics),
         filter=PromptFilter(min_chars=args.self_min_chars, max_chars=args.self_max_chars,
                             min_ascii_share=args.self_min_ascii, near_duplicate=args.self_near_duplicate),
     )
-    stats = write_self_prompts(target, path, cfg, progress=progress)
-    print(stats.line())
-    print(f"prompts in {path}")
-    return load_self_prompts(path, args.limit)
+    return self_prompt_conversations(target, args.output, cfg, progress=progress)

@@ -354,6 +354,16 @@ def _judge(text: str, finished: bool, tokenizer, f: PromptFilter, dedup: Dedupli
     return why or dedup.reason(text)
 
 
+def self_prompt_conversations(target, out_path: str | Path, cfg: SelfPromptConfig, *, progress: bool = True,
+                              log=print) -> list[Conversation]:
+    """`--prompts self` for a regenerate output `out_path`: its prompts file filled up to
+    `cfg.limit` (write_self_prompts, resumed), what was done logged, the prompts as conversations."""
+    path = prompts_path(out_path)
+    log(write_self_prompts(target, path, cfg, progress=progress).line())
+    log(f"prompts in {path}")
+    return load_self_prompts(path, cfg.limit)
+
+
 def load_self_prompts(path: str | Path, limit: int | None = None) -> list[Conversation]:
     """The first `limit` prompts of a prompts file as one-turn conversations, in file order."""
     out = []

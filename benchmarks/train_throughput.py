@@ -20,6 +20,9 @@ Rows:
              by op inside it (train --cuda-graphs: batches padded to one shape per 64-token length bucket)
   graphs-compiled  the same with the compiled loss recorded (train --compile --cuda-graphs)
   graphs-compiled-warm  the same again in this process
+  online     the graphs row trained online (train --online --cuda-graphs): the random target's forward
+             on the same token ids makes each batch's states in the loop, as from regenerated
+             conversations; before it, that forward alone over 60 batches (the source's own rate)
   quickstart compiled, with `specdec train`'s defaults: held-out evaluation every 100 steps, a
              checkpoint every 200
 
@@ -48,7 +51,8 @@ from specdec.bench.roofline import card_name, drafter_training_shapes, random_mo
 from specdec.capture.store import CaptureStore, add_shard, open_or_create_manifest, write_shard
 from specdec.models.target import Target
 from specdec.models.tiny import tiny_config
-from specdec.train.data import OfflineSource
+from specdec.data.chat import Rendered
+from specdec.train.data import OfflineSource, OnlineSource, global_batches
 from specdec.train.loop import TrainConfig, train
 
 HOPPER_BF16_PEAK = 989.4e12
@@ -80,14 +84,36 @@ def synthetic_capture(directory: Path, cfg, n: int, g: torch.Generator, aux_laye
     return CaptureStore(directory)
 
 
-ROWS = ("eager", "compiled", "compiled-warm", "graphs", "graphs-compiled", "graphs-compiled-warm", "quickstart")
+ROWS = ("eager", "compiled", "compiled-warm", "graphs", "graphs-compiled", "graphs-compiled-warm", "online",
+        "quickstart")
 
 
 def row_settings(row: str) -> dict:
     """TrainConfig's compile and cuda_graphs for a row."""
     if row not in ROWS:
         raise SystemExit(f"unknown row {row!r}: expected one of {', '.join(ROWS)}")
-    return {"compile": row not in ("eager", "graphs"), "cuda_graphs": row.startswith("graphs")}
+    return {"compile": row not in ("eager", "graphs", "online"), "cuda_graphs": row.startswith(("graphs", "online"))}
+
+
+def source_for(row: str, store: CaptureStore, target: Target):
+    """The capture as it is (offline), or its token ids run through the target in the loop (online)."""
+    if row != "online":
+        return OfflineSource(store)
+    rendered = [store.sample(i, ("input_ids", "loss_mask")) for i in range(len(store))]
+    rendered = [Rendered(r["input_ids"].tolist(), r["loss_mask"].tolist()) for r in rendered]
+    return OnlineSource(target, rendered, list(store.sample_ids), torch.bfloat16, max_length=None)
+
+
+def forward_rate(source: OnlineSource, batch_tokens: int, batches: int) -> float:
+    """Tokens/s of the online source alone: the target's forward and the states' split, batch by batch."""
+    order = global_batches(list(range(len(source.ids))), source.lengths, batch_tokens, seed=0, epoch=0)[:batches]
+    source.get(order[0])  # kernels loaded, allocator warm
+    torch.cuda.synchronize()
+    t, tokens = time.perf_counter(), 0
+    for b in order:
+        tokens += sum(len(s["input_ids"]) for s in source.get(b))
+    torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - t)
 
 
 def flops_per_token(cfg, ttt: int, vocab: int, ctx: float) -> float:
@@ -152,9 +178,16 @@ def main() -> None:
                          ttt_steps=ttt, draft_vocab_size=vocab, **settings[row], **evals)
         if row != "quickstart":
             tc.eval_percent = 0.0
+        source = source_for(row, store, target)
+        if row == "online" and dev == "cuda":
+            rate = forward_rate(source, batch_tokens, 60)
+            record({"tag": args.tag, "row": "online-forward", "shapes": args.shapes, "card": card_name(),
+                    "tokens_per_s": rate})
+            print(f"[{args.tag}] {args.shapes} the online source alone (the target's forward): {rate:,.0f} tok/s",
+                  flush=True)
         t = time.perf_counter()
         try:
-            s = train(target, OfflineSource(store), tc, target_name=target.name, progress=False)
+            s = train(target, source, tc, target_name=target.name, progress=False)
         except Exception as e:  # a row that fails leaves the others to run; its error is the result
             error = f"{type(e).__name__}: {e}"
             print(f"[{args.tag}] {args.shapes} {row}: failed: {error}", flush=True)
@@ -182,12 +215,13 @@ def main() -> None:
                                save_every=10**9, eval_percent=0.0, **row_settings(measured[-1]))
 
         # A first run compiles (where the row compiles) and warms up, outside the profile.
-        train(target, OfflineSource(store), profiled("warm"), target_name=target.name, progress=False)
+        train(target, source_for(measured[-1], store, target), profiled("warm"), target_name=target.name,
+              progress=False)
         tc = profiled("profile")
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
-            train(target, OfflineSource(store), tc, target_name=target.name, progress=False)
+            train(target, source_for(measured[-1], store, target), tc, target_name=target.name, progress=False)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
         ka = prof.key_averages()

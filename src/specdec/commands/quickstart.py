@@ -16,7 +16,7 @@ questions) ending with one JSON line. Every stage resumes: run the same
 command again after a crash.
 
 Defaults are sized to finish in under 20 minutes on a 2-core CPU, with native bf16 (AVX512-BF16 or
-AMX) or in fp32 elsewhere (with 224 prompts, 5 epochs and 6 evaluation questions); with CUDA they
+AMX) or in fp32 elsewhere (with 200 prompts, 4.5 epochs and 6 evaluation questions); with CUDA they
 use more data.
 
 examples:
@@ -37,8 +37,9 @@ CPU = dict(prompts=320, self_prompts=0, max_new_tokens=128, epochs=6.0, draft_vo
 # quickly) for 6 epochs at 4,096 tokens per batch: many prompts for few epochs gave a longer mean
 # acceptance length on MT-Bench than fewer prompts for more epochs.
 # A CPU without native bf16 (fp32 throughout) runs every stage slower, and the CPU defaults would
-# overrun the 20 minutes: so fewer prompts, epochs and questions.
-CPU_FP32 = dict(prompts=224, epochs=5.0, eval_prompts=6)
+# overrun the 20 minutes: so fewer prompts, epochs and questions, with room left for a shared
+# host's slow hours (every stage slows alike there).
+CPU_FP32 = dict(prompts=200, epochs=4.5, eval_prompts=6)
 # A checkpoint (drafter and AdamW state, written and fsynced) every `save_every` steps: often
 # enough that a stopped run loses under a minute, seldom enough that writing them stays a small
 # share of the training time on either device.

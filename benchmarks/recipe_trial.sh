@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One drafter recipe, start to end on one GPU: prompts from three sources answered by the target,
-# a drafter trained online on all of them (no capture on disk), then acceptance at k = 5 on
-# MT-Bench and HumanEval against plain decoding, and n-gram lookup on MT-Bench for scale.
+# a drafter trained online on all of them (no capture on disk; ONLINE=0: from a capture), then
+# acceptance at k = 5 on MT-Bench and HumanEval against plain decoding, and n-gram lookup on
+# MT-Bench for scale.
 # Every stage resumes, so a rerun after a stop continues; DIR/done marks the end.
 #
 #   bash benchmarks/recipe_trial.sh DIR
@@ -10,6 +11,7 @@
 # FIRST: ShareGPT first turns of <= 600 characters (the GPU quickstart's prompts), answered once.
 # MULTI: further such conversations with every user turn answered on the regenerated history.
 # SELF:  prompts the target writes itself (--prompts self, --self-topics broad), then answers.
+# ONLINE=0: capture the states to disk, then train from them (faster per epoch, ~4.6 KB a token).
 set -euo pipefail
 D=$1
 T=${TARGET:-smollm2-135m-instruct}
@@ -44,8 +46,14 @@ for f in "$D/self.jsonl" "$D/multi.jsonl"; do if [ -f "$f" ]; then parts+=("$f")
 cat "${parts[@]}" > "$D/all.jsonl"
 wc -l "${parts[@]}" "$D/all.jsonl"
 
-stamp "train online"
-[ -f "$D/train/train_summary.json" ] || python3 -m specdec train --target "$T" --online --data "$D/all.jsonl" \
+data=(--online --data "$D/all.jsonl")
+if [ "${ONLINE:-1}" = 0 ]; then  # captured to disk first (~4.6 KB a token for SmolLM2), then trained from it
+  stamp "capture"
+  python3 -m specdec capture --target "$T" --data "$D/all.jsonl" -o "$D/capture" --no-progress
+  data=(--data "$D/capture")
+fi
+stamp "train"
+[ -f "$D/train/train_summary.json" ] || python3 -m specdec train --target "$T" "${data[@]}" \
   -o "$D/train" --epochs "${EPOCHS:-3}" --batch-tokens 4096 --ttt-steps 7 --draft-vocab-size 16384 --lr 1e-3 \
   --eval-every 1000 --save-every 1000 --resume ${CUDA_GRAPHS:+--cuda-graphs} --json > "$D/train.json"
 cp "$D/train/train_summary.json" "$D/train_summary.json"

@@ -358,6 +358,32 @@ def test_cuda_training_resumes_from_a_checkpoint_to_the_same_weights(tiny, captu
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: online states stay on the GPU there")
+@pytest.mark.parametrize("graphs", [False, True], ids=["steps", "cuda_graphs"])
+def test_cuda_online_training_trains_as_offline(tiny, capture_dir, tmp_path, graphs):
+    """On a GPU the online states never leave it (padded where they are; ids, masks and the argmax's
+    rows stay on the host): trained online on the capture's conversations, the drafter reaches the
+    offline run's loss and held-out accuracy."""
+    from specdec.capture.run import load_records
+    from specdec.data.chat import render
+    from specdec.train.data import OnlineSource
+
+    target = load_target(tiny, device="cuda")
+    store = CaptureStore(capture_dir)
+    convs = {str(r["id"]): r["messages"] for r in load_records(str(capture_dir.parent / "regen.jsonl"))}
+    ids = list(store.sample_ids)
+    online = OnlineSource(target, [render(target.tokenizer, convs[i]) for i in ids], ids, torch.float32, None)
+    runs = {}
+    for name, source in (("offline", OfflineSource(store)), ("online", online)):
+        c = TrainConfig(out=str(tmp_path / name), max_steps=10, draft_vocab_size=64, batch_tokens=1024, ttt_steps=3,
+                        lr=3e-3, eval_every=5, bf16=False, cuda_graphs=graphs)
+        runs[name] = train(target, source, c, progress=False)
+    assert runs["online"]["steps"] == runs["offline"]["steps"] == 10
+    assert runs["online"]["last_loss"] == pytest.approx(runs["offline"]["last_loss"], rel=1e-3)
+    assert runs["online"]["eval"]["per_position_accuracy"] == pytest.approx(
+        runs["offline"]["eval"]["per_position_accuracy"], abs=0.02)
+
+
 def test_length_buckets_pad_every_batch_to_one_shape_per_bucket_within_the_token_budget():
     """With a length multiple, a batch's padded shape depends on its length bucket alone (what
     lets CUDA graphs replay a few shapes), it never holds more than batch_tokens padded tokens

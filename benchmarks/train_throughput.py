@@ -104,16 +104,30 @@ def source_for(row: str, store: CaptureStore, target: Target):
     return OnlineSource(target, rendered, list(store.sample_ids), torch.bfloat16, max_length=None)
 
 
-def forward_rate(source: OnlineSource, batch_tokens: int, batches: int) -> float:
-    """Tokens/s of the online source alone: the target's forward and the states' split, batch by batch."""
+def forward_rate(source: OnlineSource, batch_tokens: int, batches: int, profiled: bool = False) -> float:
+    """Tokens/s of the online source alone: the target's forward and the states' split, batch by
+    batch; `profiled`: under torch.profiler, its tables printed (the steady state only)."""
+    from contextlib import nullcontext
+
+    from torch.profiler import ProfilerActivity, profile
+
     order = global_batches(list(range(len(source.ids))), source.lengths, batch_tokens, seed=0, epoch=0)[:batches]
-    source.get(order[0])  # kernels loaded, allocator warm
+    for b in order[:3]:  # kernels loaded, allocator warm
+        source.get(b)
     torch.cuda.synchronize()
-    t, tokens = time.perf_counter(), 0
-    for b in order:
-        tokens += sum(len(s["input_ids"]) for s in source.get(b))
-    torch.cuda.synchronize()
-    return tokens / (time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profiled else nullcontext() as prof:
+        t, tokens = time.perf_counter(), 0
+        for b in order:
+            tokens += sum(len(s["input_ids"]) for s in source.get(b))
+        torch.cuda.synchronize()
+        rate = tokens / (time.perf_counter() - t)
+    if profiled:
+        ka = prof.key_averages()
+        print(f"online source, {len(order)} batches: {rate:,.0f} tok/s; device busy "
+              f"{sum(e.self_device_time_total for e in ka) / 1e6:.2f} s", flush=True)
+        print(ka.table(sort_by="self_device_time_total", row_limit=20), flush=True)
+        print(ka.table(sort_by="cpu_time_total", row_limit=30), flush=True)
+    return rate
 
 
 def flops_per_token(cfg, ttt: int, vocab: int, ctx: float) -> float:
@@ -134,6 +148,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--shapes", choices=["smollm2", "8b"], default="smollm2")
     ap.add_argument("--profile-steps", type=int, default=12)
     ap.add_argument("--tag", default="this tree")
+    ap.add_argument("--profile-forward", action="store_true", help="the online row: profile the source alone")
     ap.add_argument("--cpu-size", action="store_true",
                     help="the CPU quickstart's settings on the CPU: 256 tokens per batch, TTT 4, draft vocab 2,048")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: small shapes, few steps")
@@ -180,7 +195,7 @@ def main() -> None:
             tc.eval_percent = 0.0
         source = source_for(row, store, target)
         if row == "online" and dev == "cuda":
-            rate = forward_rate(source, batch_tokens, 60)
+            rate = forward_rate(source, batch_tokens, 60, profiled=args.profile_forward)
             record({"tag": args.tag, "row": "online-forward", "shapes": args.shapes, "card": card_name(),
                     "tokens_per_s": rate})
             print(f"[{args.tag}] {args.shapes} the online source alone (the target's forward): {rate:,.0f} tok/s",

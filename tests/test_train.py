@@ -380,8 +380,10 @@ def test_cuda_online_training_trains_as_offline(tiny, capture_dir, tmp_path, gra
         runs[name] = train(target, source, c, progress=False)
     assert runs["online"]["steps"] == runs["offline"]["steps"] == 10
     assert runs["online"]["last_loss"] == pytest.approx(runs["offline"]["last_loss"], rel=1e-3)
+    # The GPU's forward and the CPU capture's differ in the last bits, and the tiny target's logits
+    # hold near-ties: a position or two of the ~40 held out may flip (1 / 42 = 0.024).
     assert runs["online"]["eval"]["per_position_accuracy"] == pytest.approx(
-        runs["offline"]["eval"]["per_position_accuracy"], abs=0.02)
+        runs["offline"]["eval"]["per_position_accuracy"], abs=0.06)
 
 
 def test_length_buckets_pad_every_batch_to_one_shape_per_bucket_within_the_token_budget():

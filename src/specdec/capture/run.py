@@ -30,8 +30,10 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from ..errors import SpecdecError
+from ..models.drafter import NO_CUDNN
 from . import store as st
 
 
@@ -103,7 +105,8 @@ def forward_padded(target, batch_of_rendered: Sequence, dtype: torch.dtype | str
     ids = torch.zeros(len(pairs), max(lengths), dtype=torch.long)
     for b, (i, _) in enumerate(pairs):
         ids[b, : len(i)] = i
-    out = target.forward(ids.to(target.device), capture=True, logits_to_keep=1)
+    with sdpa_kernel(NO_CUDNN):  # every batch a new shape: cuDNN would plan each layer's attention anew
+        out = target.forward(ids.to(target.device), capture=True, logits_to_keep=1)
     return Padded(pairs, out.aux_hidden.to(dtype), out.last_hidden.to(dtype))  # shapes: [B, T, 3H], [B, T, H]
 
 

@@ -31,7 +31,9 @@ from transformers.models.llama.modeling_llama import (
 from .drafter_layer import DrafterLayerOps, drafter_layer
 
 
-_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# SDPA's backends but cuDNN's, which plans each new shape on the host: for calls whose shapes keep
+# changing (drafting, a padded batch's forward) that planning, not the kernel, sets the pace.
+NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(kw_only=True)
@@ -171,7 +173,7 @@ def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     cuDNN attention is excluded: it builds an execution plan for every new key length, and while
     drafting each call has a new one, which makes a drafting round many times slower
     (benchmarks/drafter_step.py)."""
-    with sdpa_kernel(_NO_CUDNN):
+    with sdpa_kernel(NO_CUDNN):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 

@@ -79,10 +79,9 @@ class Padded:
         aux, last = self.aux, self.last
         if device is not None:
             aux, last = aux.to(device), last.to(device)
-        # Ids and masks stay on the host, where they came from and where their readers (the target
-        # argmax's rows, a batch's padding) use them: moving each to a GPU would wait for the forward.
+        dev = aux.device
         return [
-            {"input_ids": i.to(torch.int32), "loss_mask": m,
+            {"input_ids": i.to(dev, torch.int32), "loss_mask": m.to(dev),
              "aux_hidden": aux[b, : len(i)], "last_hidden": last[b, : len(i)]}
             for b, (i, m) in enumerate(self.pairs)
         ]  # fmt: skip
@@ -132,11 +131,11 @@ def capture_batch(
     max_length: int | None = None,
     device: str | torch.device | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """Per sample: input_ids int32 [T], loss_mask uint8 [T] (on the host), aux_hidden [T, 3H] and
+    """Per sample: input_ids int32 [T], loss_mask uint8 [T], aux_hidden [T, 3H] and
     last_hidden [T, H] in `dtype`.
 
     `batch_of_rendered`: `chat.Rendered` objects (or anything with input_ids / loss_mask, or
-    such dicts). Samples are truncated to `max_length`. The states stay on the target's device
+    such dicts). Samples are truncated to `max_length`. Tensors stay on the target's device
     unless `device` is given (the whole padded batch is moved once, then split).
     """
     if not batch_of_rendered:

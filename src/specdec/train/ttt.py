@@ -58,10 +58,8 @@ class Batch:
     @classmethod
     def collate(cls, samples: list[dict], device, shape: tuple[int, int] | None = None) -> "Batch":
         """Pad and stack on the host, then copy to `device`; to a GPU from pinned memory without
-        blocking (the copy is ordered on the current stream like any kernel). States already on
-        `device` (online training's) are padded there: a round trip through the host would wait
-        for the target's forward. `shape` (rows, length): pad to it, with rows of padding only,
-        where it is larger than the samples'."""
+        blocking (the copy is ordered on the current stream like any kernel). `shape` (rows,
+        length): pad to it, with rows of padding only, where it is larger than the samples'."""
         B, L = len(samples), max(len(s["input_ids"]) for s in samples)
         if shape is not None:
             B, L = max(B, shape[0]), max(L, shape[1])
@@ -69,13 +67,11 @@ class Batch:
         d_last = samples[0]["last_hidden"].shape[-1]
         dt = samples[0]["aux_hidden"].dtype
         pin = torch.device(device).type == "cuda"
-        resident = samples[0]["aux_hidden"].device.type == torch.device(device).type
-        where = dict(device=samples[0]["aux_hidden"].device) if resident else dict(pin_memory=pin)
         ids = torch.zeros(B, L, dtype=torch.long, pin_memory=pin)
         mask = torch.zeros(B, L, dtype=torch.bool, pin_memory=pin)
         valid = torch.zeros(B, L, dtype=torch.bool, pin_memory=pin)
-        aux = torch.zeros(B, L, d_aux, dtype=dt, **where)
-        last = torch.zeros(B, L, d_last, dtype=dt, **where)
+        aux = torch.zeros(B, L, d_aux, dtype=dt, pin_memory=pin)
+        last = torch.zeros(B, L, d_last, dtype=dt, pin_memory=pin)
         known = all("target_argmax" in s for s in samples)
         top = torch.full((B, L), -1, dtype=torch.long, pin_memory=pin) if known else None
         for b, s in enumerate(samples):
@@ -107,8 +103,7 @@ def target_argmax(head: TargetHead, last_hidden: torch.Tensor, rows: torch.Tenso
 
 def _argmax_of_normed(head: TargetHead, normed: torch.Tensor, rows: torch.Tensor | None, chunk: int = 1024):
     out = torch.full(normed.shape[:2], -1, dtype=torch.long, device=normed.device)
-    # Rows on the host are found there: on a GPU, nonzero would wait for the queued work.
-    where = tuple(w.to(normed.device) for w in rows.nonzero(as_tuple=True)) if rows is not None else None
+    where = rows.nonzero(as_tuple=True) if rows is not None else None
     flat = normed[where] if where is not None else normed.reshape(-1, normed.shape[-1])
     top = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
     for i in range(0, flat.shape[0], chunk):  # never a [B*L, V] matrix
@@ -151,7 +146,7 @@ class TargetArgmaxCache:
             if i not in self.known and i not in new:
                 # Sample by sample, so a value never depends on which batch first drew the sample
                 # (an exact --resume recomputes it in another batch); read back once per batch.
-                rows = torch.as_tensor(s["loss_mask"]).bool().roll(-1, 0)[None]
+                rows = torch.as_tensor(s["loss_mask"]).bool().roll(-1, 0)[None].to(self.device)
                 new[i] = target_argmax(self.head, s["last_hidden"][None].to(self.device), rows)[0].to(torch.int32)
         if new:
             host = torch.cat(list(new.values())).cpu().split([len(t) for t in new.values()])

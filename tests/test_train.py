@@ -358,12 +358,12 @@ def test_cuda_training_resumes_from_a_checkpoint_to_the_same_weights(tiny, captu
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: online states stay on the GPU there")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the online forward runs on a second stream there")
 @pytest.mark.parametrize("graphs", [False, True], ids=["steps", "cuda_graphs"])
 def test_cuda_online_training_trains_as_offline(tiny, capture_dir, tmp_path, graphs):
-    """On a GPU the online states never leave it (padded where they are; ids, masks and the argmax's
-    rows stay on the host): trained online on the capture's conversations, the drafter reaches the
-    offline run's loss and held-out accuracy."""
+    """On a GPU, with the target's forward in the loop (on the prefetch stream, without cuDNN's
+    attention) and its states on the GPU: trained online on the capture's conversations, the
+    drafter reaches the offline run's loss and held-out accuracy, stepped or recorded."""
     from specdec.capture.run import load_records
     from specdec.data.chat import render
     from specdec.train.data import OnlineSource

@@ -358,7 +358,7 @@ def test_cuda_training_resumes_from_a_checkpoint_to_the_same_weights(tiny, captu
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the online forward runs on a second stream there")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the online forward on its own stream")
 @pytest.mark.parametrize("graphs", [False, True], ids=["steps", "cuda_graphs"])
 def test_cuda_online_training_trains_as_offline(tiny, capture_dir, tmp_path, graphs):
     """On a GPU, with the target's forward in the loop (on the prefetch stream, without cuDNN's

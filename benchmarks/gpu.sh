@@ -9,7 +9,8 @@
 #   smollm2           SmolLM2-shaped steps against HF eager (random weights)
 #   drafter-step      one drafting round on the Triton kernels against inductor's; engine steps
 #   train-throughput  `specdec train` tokens/s, eager, compiled and as CUDA graphs, on SmolLM2's drafter (SHAPES=8b: a
-#                     Llama-3.1-8B drafter's shapes; ROWS, STEPS, PROFILE_STEPS: a part, e.g. ROWS=graphs,online)
+#                     Llama-3.1-8B drafter's shapes; ROWS, STEPS, PROFILE_STEPS: a part, e.g. ROWS=graphs,online;
+#                     PROFILE_FORWARD=1: the online source's profile)
 #   train-graphs      the CUDA training tests, then eager against the step recorded as CUDA graphs (eager and
 #                     compiled kernels inside) on both drafters' shapes, in one call
 #   regen-throughput  BatchDecoder against HF generate, real SmolLM2 on ShareGPT          (staged)
@@ -99,14 +100,14 @@ smollm2() {
 }
 drafter_step() { run 330 python3 benchmarks/drafter_step.py --static-only --e2e --rounds 100 --out "$OUT"; }
 headline() { DEADLINE=$(($(date +%s) + ${HEADLINE_S:-570})); decode8b; smollm2; drafter_step; }
-train_throughput() {  # SHAPES=8b: a Llama-3.1-8B drafter's shapes; ROWS, STEPS, PROFILE_STEPS: a part
+train_throughput() {  # SHAPES=8b: a Llama-3.1-8B drafter's shapes; ROWS, STEPS, PROFILE_*: a part
   local shapes=(--shapes "${SHAPES:-smollm2}")
   if [ "${SHAPES:-}" = 8b ]; then
     shapes+=(--samples 300 --steps 40 --rows eager,compiled,compiled-warm,graphs,graphs-compiled,graphs-compiled-warm
       --profile-steps 0)
   fi
   run "${TP_S:-540}" python3 benchmarks/train_throughput.py --out "$OUT" "${shapes[@]}" ${ROWS:+--rows "$ROWS"} \
-    ${STEPS:+--steps "$STEPS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"}
+    ${STEPS:+--steps "$STEPS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} ${PROFILE_FORWARD:+--profile-forward}
 }
 train_graphs() {
   local rows=eager,graphs,graphs-compiled,graphs-compiled-warm

@@ -77,6 +77,21 @@ def test_online_capture_batch_is_what_offline_stores(target, tmp_path):
             assert online[k].dtype == offline[k].dtype and torch.equal(online[k], offline[k]), k
 
 
+def test_the_capture_forward_runs_without_cudnn_attention(target):
+    """cuDNN's attention plans every new shape on the host, and each padded batch is a new shape:
+    the capture's forward (online training's too) runs with that backend off, and leaves the
+    process's setting as it found it."""
+    seen = []
+    handle = target.model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        before = torch.backends.cuda.cudnn_sdp_enabled()
+        capture_batch(target, [render(target.tokenizer, r["messages"]) for r in records(2)], torch.float32)
+    finally:
+        handle.remove()
+    assert seen == [False]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 def test_padding_in_a_batch_changes_nothing(target):
     rs = [render(target.tokenizer, r["messages"]) for r in records(3)]
     batched = capture_batch(target, rs, torch.float32)

@@ -68,6 +68,11 @@ class Pricer(TorchDispatchMode):
         flops = matmul_flops(name, args)
         dtype = next((t.dtype for t in ins if isinstance(t, torch.Tensor) and t.is_floating_point()), torch.float32)
         seconds = max((read + written) / BANDWIDTH, flops / MATRIX_RATE.get(dtype, 50e12), KERNEL_FLOOR_S)
+        # Kernels over a non-contiguous operand (a slice, a transpose; not a broadcast) run without
+        # vectorised loads: on the card such copies took ~10x their bytes' time (log 13).
+        if name != "mm" and name != "bmm" and any(isinstance(t, torch.Tensor) and t.numel() > 1 and 0 not in t.stride()
+                                                  and not t.is_contiguous() for t in ins):
+            name += " (strided)"
         if self.by_shape:  # the op's largest operand names the group: which tensor the bytes are
             big = max((t for t in ins + outs if isinstance(t, torch.Tensor)), key=lambda t: t.numel(), default=None)
             name += "" if big is None else f" {list(big.shape)} {str(big.dtype).removeprefix('torch.')}"

@@ -257,3 +257,28 @@ def test_walk_over_the_engine_s_own_text_measures_what_the_engine_measured(tiny_
     # Chains of 2 walked over the same unroll (k = 5 is read off training's 7 steps this way).
     short = [s for s in SpeculativeEngine(target, drafter=drafter, k=2).generate_iter(prompt, params) if s.drafted]
     assert walk_acceptance(res.depth, res.starts, 2)[1] == len(short) > len(steps)
+
+
+@pytest.mark.parametrize("live_slots", [0, 2, 4])
+def test_ttt_attention_is_attention_over_the_causal_prefix_and_the_live_step_keys(live_slots):
+    """Query t attends to step 0's keys at positions <= t and to the live steps' own keys at t, as
+    one softmax; grouped query heads share their key head. Checked against that attention written
+    out position by position, in float64."""
+    from specdec.models.drafter import ttt_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, nh, kvh, T, S, hd = 2, 6, 2, 7, 4, 8
+    q, k0, v0 = (torch.randn(B, n, T, hd, generator=g, dtype=torch.float64) for n in (nh, kvh, kvh))
+    step_k, step_v = (torch.randn(B, kvh, T, S, hd, generator=g, dtype=torch.float64) for _ in range(2))
+    live = torch.arange(S) < live_slots
+    got = ttt_attention(q, k0, v0, step_k, step_v, live) if live_slots else ttt_attention(q, k0, v0)
+    want = torch.empty_like(q)
+    for b in range(B):
+        for h in range(nh):
+            kv = h // (nh // kvh)
+            for t in range(T):
+                keys = torch.cat([k0[b, kv, : t + 1], step_k[b, kv, t, live]])
+                values = torch.cat([v0[b, kv, : t + 1], step_v[b, kv, t, live]])
+                w = torch.softmax(keys @ q[b, h, t] / hd**0.5, -1)
+                want[b, h, t] = w @ values
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -230,13 +230,13 @@ def main() -> None:
                                save_every=10**9, eval_percent=0.0, **row_settings(measured[-1]))
 
         # A first run compiles (where the row compiles) and warms up, outside the profile.
-        train(target, source_for(measured[-1], store, target), profiled("warm"), target_name=target.name,
-              progress=False)
+        source = source_for(measured[-1], store, target)
+        train(target, source, profiled("warm"), target_name=target.name, progress=False)
         tc = profiled("profile")
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
-            train(target, source_for(measured[-1], store, target), tc, target_name=target.name, progress=False)
+            train(target, source, tc, target_name=target.name, progress=False)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
         ka = prof.key_averages()

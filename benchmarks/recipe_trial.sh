@@ -64,7 +64,7 @@ evaluate() {  # evaluate NAME ARGS...
 }
 stamp "evaluate"
 evaluate eval_mtbench_k5 --drafter "$D/train/drafter" --k 5
-evaluate eval_humaneval_k5 --drafter "$D/train/drafter" --k 5 --prompts humaneval
 evaluate eval_mtbench_ngram --ngram 3
+evaluate eval_humaneval_k5 --drafter "$D/train/drafter" --k 5 --prompts humaneval
 stamp "done"
 touch "$D/done"

@@ -12,7 +12,7 @@
 # MULTI: further such conversations with every user turn answered on the regenerated history.
 # SELF:  prompts the target writes itself (--prompts self, --self-topics broad), then answers.
 # ONLINE=0: capture the states to disk, then train from them (faster per epoch, ~4.6 KB a token).
-# HUMANEVAL=0: MT-Bench alone (the drafter at k = 5, then n-gram lookup).
+# HUMANEVAL=0, NGRAM=0: without HumanEval, without n-gram lookup (MT-Bench at k = 5 always runs).
 set -euo pipefail
 D=$1
 T=${TARGET:-smollm2-135m-instruct}
@@ -65,7 +65,7 @@ evaluate() {  # evaluate NAME ARGS...
 }
 stamp "evaluate"
 evaluate eval_mtbench_k5 --drafter "$D/train/drafter" --k 5
-evaluate eval_mtbench_ngram --ngram 3
+if [ "${NGRAM:-1}" = 1 ]; then evaluate eval_mtbench_ngram --ngram 3; fi
 if [ "${HUMANEVAL:-1}" = 1 ]; then evaluate eval_humaneval_k5 --drafter "$D/train/drafter" --k 5 --prompts humaneval; fi
 stamp "done"
 touch "$D/done"

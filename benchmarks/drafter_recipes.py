@@ -73,8 +73,8 @@ class EveryToken(OfflineSource):
         super().__init__(store)
         self.held = {i for i, sid in enumerate(self.ids) if is_heldout(sid, eval_percent)}
 
-    def get(self, indices):
-        samples = super().get(indices)
+    def get(self, indices, shape=None):
+        samples = super().get(indices, shape)
         for i, s in zip(indices, samples):
             if i not in self.held:
                 s["loss_mask"] = torch.ones_like(torch.as_tensor(s["loss_mask"])).bool()

@@ -22,7 +22,9 @@ Rows:
   graphs-compiled-warm  the same again in this process
   online     the graphs row trained online (train --online --cuda-graphs): the random target's forward
              on the same token ids makes each batch's states in the loop, as from regenerated
-             conversations; before it, that forward alone over 60 batches (the source's own rate)
+             conversations, replayed from a CUDA graph per padded shape; before it, that forward
+             alone over 60 batches (the source's own rate), recorded and eager
+  online-eager-forward  the same with the target's forward run eagerly (as before it was recorded)
   quickstart compiled, with `specdec train`'s defaults: held-out evaluation every 100 steps, a
              checkpoint every 200
 
@@ -52,7 +54,7 @@ from specdec.capture.store import CaptureStore, add_shard, open_or_create_manife
 from specdec.models.target import Target
 from specdec.models.tiny import tiny_config
 from specdec.data.chat import Rendered
-from specdec.train.data import OfflineSource, OnlineSource, global_batches
+from specdec.train.data import GRAPH_LENGTH_MULTIPLE, OfflineSource, OnlineSource, global_batches, padded_shape
 from specdec.train.loop import TrainConfig, train
 
 HOPPER_BF16_PEAK = 989.4e12
@@ -85,45 +87,64 @@ def synthetic_capture(directory: Path, cfg, n: int, g: torch.Generator, aux_laye
 
 
 ROWS = ("eager", "compiled", "compiled-warm", "graphs", "graphs-compiled", "graphs-compiled-warm", "online",
-        "quickstart")
+        "online-eager-forward", "quickstart")
 
 
 def row_settings(row: str) -> dict:
     """TrainConfig's compile and cuda_graphs for a row."""
     if row not in ROWS:
         raise SystemExit(f"unknown row {row!r}: expected one of {', '.join(ROWS)}")
-    return {"compile": row not in ("eager", "graphs", "online"), "cuda_graphs": row.startswith(("graphs", "online"))}
+    online = row.startswith("online")
+    return {"compile": row not in ("eager", "graphs") and not online, "cuda_graphs": row.startswith("graphs") or online}
+
+
+class EagerForwardSource(OnlineSource):
+    """The online source with the target's forward never recorded (the shape it is given ignored)."""
+
+    def get(self, indices, shape=None):
+        return super().get(indices)
 
 
 def source_for(row: str, store: CaptureStore, target: Target):
     """The capture as it is (offline), or its token ids run through the target in the loop (online)."""
-    if row != "online":
+    if not row.startswith("online"):
         return OfflineSource(store)
     rendered = [store.sample(i, ("input_ids", "loss_mask")) for i in range(len(store))]
     rendered = [Rendered(r["input_ids"].tolist(), r["loss_mask"].tolist()) for r in rendered]
-    return OnlineSource(target, rendered, list(store.sample_ids), torch.bfloat16, max_length=None)
+    kind = EagerForwardSource if row == "online-eager-forward" else OnlineSource
+    return kind(target, rendered, list(store.sample_ids), torch.bfloat16, max_length=None)
 
 
-def forward_rate(source: OnlineSource, batch_tokens: int, batches: int, profiled: bool = False) -> float:
+def forward_rate(source: OnlineSource, batch_tokens: int, batches: int, profiled: bool = False,
+                 recorded: bool = False) -> float:
     """Tokens/s of the online source alone: the target's forward and the states' split, batch by
-    batch; `profiled`: under torch.profiler, its tables printed (the steady state only)."""
+    batch; `recorded`: at the padded shapes training gives it, so replayed from CUDA graphs (the
+    first pass over the batches records them); `profiled`: under torch.profiler, its tables printed
+    (the steady state only)."""
     from contextlib import nullcontext
 
     from torch.profiler import ProfilerActivity, profile
 
-    order = global_batches(list(range(len(source.ids))), source.lengths, batch_tokens, seed=0, epoch=0)[:batches]
-    for b in order[:3]:  # kernels loaded, allocator warm
-        source.get(b)
+    order = global_batches(list(range(len(source.ids))), source.lengths, batch_tokens, seed=0, epoch=0,
+                           multiple=GRAPH_LENGTH_MULTIPLE)[:batches]
+
+    def get(b):
+        shape = padded_shape(len(b), max(source.lengths[i] for i in b), batch_tokens, GRAPH_LENGTH_MULTIPLE)
+        return source.get(b, shape if recorded else None)
+
+    for b in order:  # kernels loaded, allocator warm, every shape recorded
+        get(b)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profiled else nullcontext() as prof:
         t, tokens = time.perf_counter(), 0
         for b in order:
-            tokens += sum(len(s["input_ids"]) for s in source.get(b))
+            tokens += sum(len(s["input_ids"]) for s in get(b))
         torch.cuda.synchronize()
         rate = tokens / (time.perf_counter() - t)
     if profiled:
         ka = prof.key_averages()
-        print(f"online source, {len(order)} batches: {rate:,.0f} tok/s; device busy "
+        print(f"online source ({'recorded' if recorded else 'eager'}), {len(order)} batches: {rate:,.0f} tok/s; "
+              f"device busy "
               f"{sum(e.self_device_time_total for e in ka) / 1e6:.2f} s", flush=True)
         print(ka.table(sort_by="self_device_time_total", row_limit=20), flush=True)
         print(ka.table(sort_by="cpu_time_total", row_limit=30), flush=True)
@@ -225,11 +246,12 @@ def main() -> None:
             tc.eval_percent = 0.0
         source = source_for(row, store, target)
         if row == "online" and dev == "cuda":
-            rate = forward_rate(source, batch_tokens, 60, profiled=args.profile_forward)
-            record({"tag": args.tag, "row": "online-forward", "shapes": args.shapes, "card": card_name(),
-                    "tokens_per_s": rate})
-            print(f"[{args.tag}] {args.shapes} the online source alone (the target's forward): {rate:,.0f} tok/s",
-                  flush=True)
+            for recorded in (False, True):
+                rate = forward_rate(source, batch_tokens, 60, profiled=args.profile_forward, recorded=recorded)
+                name = "online-forward-recorded" if recorded else "online-forward"
+                record({"tag": args.tag, "row": name, "shapes": args.shapes, "card": card_name(), "tokens_per_s": rate})
+                print(f"[{args.tag}] {args.shapes} the online source alone (the target's forward, "
+                      f"{'recorded' if recorded else 'eager'}): {rate:,.0f} tok/s", flush=True)
         t = time.perf_counter()
         try:
             s = train(target, source, tc, target_name=target.name, progress=False)

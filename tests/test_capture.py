@@ -101,6 +101,60 @@ def test_padding_in_a_batch_changes_nothing(target):
         torch.testing.assert_close(b["last_hidden"], alone["last_hidden"], atol=1e-5, rtol=1e-5)
 
 
+def test_padding_to_a_larger_shape_changes_nothing(target):
+    """Online training with CUDA graphs runs the target's forward at the batch's padded shape (one
+    recorded graph per shape): the forward does run at that shape, and the real rows' states are
+    those of the batch's own shape."""
+    rs = [render(target.tokenizer, r["messages"]) for r in records(3)]
+    longest = max(len(r.input_ids) for r in rs)
+    seen = []
+    handle = target.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        own = capture_batch(target, rs, torch.float32)
+        padded = capture_batch(target, rs, torch.float32, shape=(5, longest + 37))
+    finally:
+        handle.remove()
+    assert seen == [(3, longest), (5, longest + 37)]
+    for a, b in zip(own, padded):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and a["aux_hidden"].shape == b["aux_hidden"].shape
+        torch.testing.assert_close(b["aux_hidden"], a["aux_hidden"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b["last_hidden"], a["last_hidden"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: CUDA graphs")
+def test_cuda_the_recorded_forward_gives_the_eager_states(tiny_dirs):
+    """The target's forward replayed from a CUDA graph per padded shape (online training with
+    --cuda-graphs): the same states as the eager forward, for two shapes, for a second batch of a
+    recorded shape (its ids copied in before the replay), and from a second thread (its own graphs)."""
+    import threading
+
+    from specdec.capture.run import RecordedForward
+    from specdec.models.target import load_target
+
+    gpu = load_target(str(tiny_dirs["llama"]), device="cuda")
+    rs = [render(gpu.tokenizer, r["messages"]) for r in records(6)]
+    recorded = RecordedForward(gpu)
+    batches = [(rs[:3], (4, 128)), (rs[3:], (4, 128)), (rs[:2], (3, 64)), (rs[3:], (4, 128))]
+
+    def check(results):
+        for batch, shape in batches:
+            got = capture_batch(gpu, batch, torch.float32, shape=shape, recorded=recorded)
+            want = capture_batch(gpu, batch, torch.float32)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g["aux_hidden"], w["aux_hidden"], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(g["last_hidden"], w["last_hidden"], atol=1e-5, rtol=1e-5)
+        results.append(True)
+
+    done = []
+    check(done)
+    worker = threading.Thread(target=check, args=(done,))
+    worker.start()
+    worker.join()
+    assert done == [True, True]
+    assert recorded.failed is None and recorded.shapes == {(4, 128), (3, 64)}
+
+
 def test_two_threads_capture_at_once_each_their_own_states(target):
     """Online training's held-out evaluation captures on the main thread while the prefetch thread
     captures the next batches: each forward gets its own hidden states (the hooks' store was one

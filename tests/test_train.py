@@ -379,6 +379,8 @@ def test_cuda_online_training_trains_as_offline(tiny, capture_dir, tmp_path, gra
                         lr=3e-3, eval_every=5, bf16=False, cuda_graphs=graphs)
         runs[name] = train(target, source, c, progress=False)
     assert runs["online"]["steps"] == runs["offline"]["steps"] == 10
+    # Recorded steps record the target's forward too, one graph per padded shape.
+    assert online.recorded.failed is None and bool(online.recorded.shapes) == graphs
     assert runs["online"]["last_loss"] == pytest.approx(runs["offline"]["last_loss"], rel=1e-3)
     # The GPU's forward and the CPU capture's differ in the last bits, and the tiny target's logits
     # hold near-ties: a position or two of the ~40 held out may flip (1 / 42 = 0.024).

@@ -54,7 +54,7 @@ class _MemorySource:
     def __init__(self, samples):
         self.samples, self.lengths = samples, [len(s["input_ids"]) for s in samples]
 
-    def get(self, indices):
+    def get(self, indices, shape=None):
         return [dict(self.samples[i]) for i in indices]
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from torch.nn.attention import sdpa_kernel
 
 from ..errors import SpecdecError
 from ..models.drafter import NO_CUDNN
+from ..shape_graphs import ShapeGraphs
 from . import store as st
 
 
@@ -87,11 +89,49 @@ class Padded:
         ]  # fmt: skip
 
 
+def _states(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's aux and final pre-norm states of right-padded `ids` [B, T] on its device."""
+    with sdpa_kernel(NO_CUDNN):  # every batch a new shape: cuDNN would plan each layer's attention anew
+        out = target.forward(ids, capture=True, logits_to_keep=1)
+    return out.aux_hidden, out.last_hidden
+
+
+class RecordedForward:
+    """`_states` recorded as one CUDA graph per padded batch shape and replayed (ShapeGraphs), one
+    set of graphs per calling thread (online training captures in its prefetch thread and, for
+    held-out batches, in the main one). Where a recording fails, the forward runs eagerly from
+    then on: it is the same computation, only launched from the host."""
+
+    def __init__(self, target):
+        self.target = target
+        self._local = threading.local()
+        self.failed: str | None = None
+        self.shapes: set[tuple[int, int]] = set()  # recorded, in any thread
+
+    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.failed is None:
+            graphs = getattr(self._local, "graphs", None)
+            if graphs is None:
+                graphs = self._local.graphs = ShapeGraphs(lambda inputs: _states(self.target, *inputs),
+                                                          self.target.device)
+            try:
+                states = graphs((ids,))
+                self.shapes.add(tuple(ids.shape))
+                return states
+            except SpecdecError as e:
+                self.failed = str(e)
+                print(f"specdec: the target's forward runs eagerly from now on: {e}", file=sys.stderr, flush=True)
+        return _states(self.target, ids)
+
+
 @torch.no_grad()
 def forward_padded(target, batch_of_rendered: Sequence, dtype: torch.dtype | str = torch.bfloat16, *,
-                   max_length: int | None = None) -> Padded:
+                   max_length: int | None = None, shape: tuple[int, int] | None = None,
+                   recorded: RecordedForward | None = None) -> Padded:
     """The one forward pass behind every capture (online and offline): right-padded ids, the
-    target's aux and final pre-norm states cast to `dtype`, left on the target's device."""
+    target's aux and final pre-norm states cast to `dtype`, left on the target's device. `shape`
+    (rows, length): pad to it (rows of padding only) where it is larger, so that `recorded` replays
+    one graph per shape; the states of the real rows and tokens are the same either way."""
     dtype = st.parse_dtype(dtype)
     pairs = [_ids_and_mask(r) for r in batch_of_rendered]
     if max_length:
@@ -101,12 +141,15 @@ def forward_padded(target, batch_of_rendered: Sequence, dtype: torch.dtype | str
     lengths = [len(i) for i, _ in pairs]
     if min(lengths) == 0:
         raise SpecdecError("capture got an empty sample; expected at least one token each")
-    ids = torch.zeros(len(pairs), max(lengths), dtype=torch.long)
+    rows, length = len(pairs), max(lengths)
+    if shape is not None:
+        rows, length = max(rows, shape[0]), max(length, shape[1])
+    ids = torch.zeros(rows, length, dtype=torch.long)
     for b, (i, _) in enumerate(pairs):
         ids[b, : len(i)] = i
-    with sdpa_kernel(NO_CUDNN):  # every batch a new shape: cuDNN would plan each layer's attention anew
-        out = target.forward(ids.to(target.device), capture=True, logits_to_keep=1)
-    return Padded(pairs, out.aux_hidden.to(dtype), out.last_hidden.to(dtype))  # shapes: [B, T, 3H], [B, T, H]
+    ids = ids.to(target.device)
+    aux, last = recorded(ids) if recorded is not None else _states(target, ids)
+    return Padded(pairs, aux.to(dtype), last.to(dtype))  # shapes: [B, T, 3H], [B, T, H]
 
 
 def to_host_async(p: Padded, stream: "torch.cuda.Stream") -> Padded:
@@ -130,17 +173,21 @@ def capture_batch(
     *,
     max_length: int | None = None,
     device: str | torch.device | None = None,
+    shape: tuple[int, int] | None = None,
+    recorded: RecordedForward | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Per sample: input_ids int32 [T], loss_mask uint8 [T], aux_hidden [T, 3H] and
     last_hidden [T, H] in `dtype`.
 
     `batch_of_rendered`: `chat.Rendered` objects (or anything with input_ids / loss_mask, or
     such dicts). Samples are truncated to `max_length`. Tensors stay on the target's device
-    unless `device` is given (the whole padded batch is moved once, then split).
+    unless `device` is given (the whole padded batch is moved once, then split). `shape` and
+    `recorded`: see forward_padded.
     """
     if not batch_of_rendered:
         return []
-    return forward_padded(target, batch_of_rendered, dtype, max_length=max_length).split(device)
+    return forward_padded(target, batch_of_rendered, dtype, max_length=max_length, shape=shape,
+                          recorded=recorded).split(device)
 
 
 def capture_identity(target, dtype: torch.dtype, max_length: int | None) -> dict:

@@ -76,7 +76,8 @@ def register(subparsers) -> None:
     p.add_argument("--cuda-graphs", action="store_true",
                    help="on one GPU, record each optimizer step (forward, backward, AdamW) as a CUDA graph and "
                         "replay it: batches are padded to one shape per length bucket (--length-multiple, 64 "
-                        "unless given), one graph per shape; with --compile or without")
+                        "unless given), one graph per shape; with --compile or without. With --online the "
+                        "target's forward is recorded per shape as well")
     p.add_argument("--length-multiple", type=int, default=1,
                    help="pad each batch's length to a multiple of this and its rows to what --batch-tokens holds "
                         "at that length: one batch shape per length bucket (default: 1, each batch its own shape)")

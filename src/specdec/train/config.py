@@ -38,8 +38,9 @@ class TrainConfig:
     # after the compiler's first minutes; off unless asked for, since only long runs repay them.
     compile: bool = False
     # On one GPU, each optimizer step (forward, backward, clipping, AdamW) recorded once per batch
-    # shape as a CUDA graph and replayed (train/step_graphs.py): the host no longer launches every
-    # kernel. Eager or compiled steps alike; elsewhere, and under DDP, ignored.
+    # shape as a CUDA graph and replayed (specdec/shape_graphs.py): the host no longer launches every
+    # kernel. Eager or compiled steps alike; an online source's target forward too; elsewhere, and
+    # under DDP, ignored.
     cuda_graphs: bool = False
     # Batches padded to a length that is a multiple of this and to the rows batch_tokens holds at
     # that length (data.padded_shape): one shape per length bucket. 1: each batch's own shape.

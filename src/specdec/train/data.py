@@ -24,7 +24,9 @@ class Source:
     ids: list[str]
     lengths: list[int]
 
-    def get(self, indices: list[int]) -> list[dict]:
+    def get(self, indices: list[int], shape: tuple[int, int] | None = None) -> list[dict]:
+        """The samples at `indices`. `shape` (rows, length): the padded shape the batch will train
+        at, where its steps are recorded as CUDA graphs; a source that computes states may use it."""
         raise NotImplementedError
 
     def token_samples(self):
@@ -37,7 +39,7 @@ class OfflineSource(Source):
         self.store = store
         super().__init__(list(store.sample_ids), list(store.lengths()))
 
-    def get(self, indices):
+    def get(self, indices, shape=None):
         return [self.store.sample(i) for i in indices]
 
     def token_samples(self):
@@ -46,19 +48,26 @@ class OfflineSource(Source):
 
 
 class OnlineSource(Source):
+    """Rendered conversations run through the target batch by batch. Given a batch's padded
+    `shape` on a GPU, the forward runs at that shape, recorded as one CUDA graph per shape and
+    replayed (capture.run.RecordedForward): eager, a small target's forward is bound by the host's
+    kernel launches, and it shares the host with the training step."""
+
     def __init__(self, target, rendered: list, ids: list[str], dtype, max_length: int | None):
-        from ..capture.run import capture_batch
+        from ..capture.run import RecordedForward, capture_batch
 
         self._capture = capture_batch
         self.target, self.rendered, self.dtype, self.max_length = target, rendered, dtype, max_length
+        self.recorded = RecordedForward(target) if target.device.type == "cuda" else None
         lengths = [min(len(r.input_ids), max_length or 1 << 30) for r in rendered]
         super().__init__(ids, lengths)
 
-    def get(self, indices):
+    def get(self, indices, shape=None):
         if not indices:
             return []
+        recorded = self.recorded if shape is not None else None
         return self._capture(self.target, [self.rendered[i] for i in indices], self.dtype,
-                             max_length=self.max_length)
+                             max_length=self.max_length, shape=shape if recorded else None, recorded=recorded)
 
     def token_samples(self):
         for r in self.rendered:

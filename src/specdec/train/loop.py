@@ -26,12 +26,13 @@ from ..dist import dist_env
 from ..errors import SpecdecError
 from ..models.drafter import DrafterConfig, Eagle3Drafter
 from ..precision import compute_dtype, dtype_name
+from ..shape_graphs import ShapeGraphs
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import GRAPH_LENGTH_MULTIPLE, global_batches, is_heldout, padded_shape, step_batches
 from .drafter_init import copy_target_embedding, make_drafter
 from .prefetch import Prefetch
-from .step_graphs import StepGraphs, hold_lr
+from .step_graphs import hold_lr
 from .ttt import EAGER, Batch, TargetArgmaxCache, TargetHead, TTTSteps, ttt_loss, walk_acceptance
 
 
@@ -226,11 +227,12 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     last_loss = None
 
     def load(gb):
-        samples = argmax_cache.get(gb[rank::world] or gb[:1])
         shape = None
         if multiple > 1:
             rows, length = padded_shape(len(gb), max(source.lengths[i] for i in gb), cfg.batch_tokens, multiple)
             shape = (-(-rows // world), length)  # this process's share of the rows
+        # With graphs an online source records the target's forward for the batch's padded shape too.
+        samples = argmax_cache.get(gb[rank::world] or gb[:1], shape if graphs else None)
         return sum(len(s["input_ids"]) for s in samples), _to(samples, device, dtype, shape)
 
     def forward_backward(inputs):
@@ -251,7 +253,8 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         forward_backward(inputs)
         opt.zero_grad(set_to_none=True)
 
-    recorded = StepGraphs(update, warm, device) if graphs else None
+    recorded = ShapeGraphs(update, device, warm=warm, failure_hint="Train without --cuda-graphs; --resume continues "
+                           "from the last checkpoint") if graphs else None
 
     def show(done):
         """A finished step's figures, read while the next step is already queued on a GPU."""

@@ -139,8 +139,8 @@ class TargetArgmaxCache:
         self.lengths = source.lengths
         self.known: dict[int, torch.Tensor] = {}
 
-    def get(self, indices: list[int]) -> list[dict]:
-        samples = self.source.get(indices)
+    def get(self, indices: list[int], shape: tuple[int, int] | None = None) -> list[dict]:
+        samples = self.source.get(indices, shape)
         new = {}
         for i, s in zip(indices, samples):
             if i not in self.known and i not in new:

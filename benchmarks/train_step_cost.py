@@ -35,6 +35,7 @@ KERNEL_FLOOR_S = 2.5e-6
 FREE = {"view", "_unsafe_view", "slice", "expand", "t", "transpose", "unsqueeze", "squeeze", "permute",
         "as_strided", "alias", "detach", "select", "_reshape_alias", "unbind", "split", "split_with_sizes",
         "lift_fresh", "reshape"}
+GATHERS = {"embedding", "index_select", "index"}  # (table, indices...): each reads only the rows it returns
 
 
 def matmul_flops(name: str, args) -> float:
@@ -65,6 +66,8 @@ class Pricer(TorchDispatchMode):
         read = sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
                    for t in ins if isinstance(t, torch.Tensor))
         written = sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
+        if name in GATHERS:  # the rows it returns and the indices, not the whole table
+            read = written + sum(t.numel() * t.element_size() for t in ins[1:] if isinstance(t, torch.Tensor))
         flops = matmul_flops(name, args)
         dtype = next((t.dtype for t in ins if isinstance(t, torch.Tensor) and t.is_floating_point()), torch.float32)
         seconds = max((read + written) / BANDWIDTH, flops / MATRIX_RATE.get(dtype, 50e12), KERNEL_FLOOR_S)

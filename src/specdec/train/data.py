@@ -65,9 +65,10 @@ class OnlineSource(Source):
     def get(self, indices, shape=None):
         if not indices:
             return []
-        recorded = self.recorded if shape is not None else None
+        if self.recorded is None:
+            shape = None  # nothing replays here (no GPU): each batch runs at its own shape
         return self._capture(self.target, [self.rendered[i] for i in indices], self.dtype,
-                             max_length=self.max_length, shape=shape if recorded else None, recorded=recorded)
+                             max_length=self.max_length, shape=shape, recorded=self.recorded if shape else None)
 
     def token_samples(self):
         for r in self.rendered:

@@ -14,10 +14,12 @@
 #   train-graphs      the CUDA training tests, then eager against the step recorded as CUDA graphs (eager and
 #                     compiled kernels inside) on both drafters' shapes, in one call
 #   regen-throughput  BatchDecoder against HF generate, real SmolLM2 on ShareGPT          (staged)
-#   quickstart        `specdec quickstart` on the GPU defaults; each call resumes it; once it ends,
+#   quickstart        `specdec quickstart` on the GPU defaults (QS_ARGS: options added, e.g. "--tree-depth 0");
+#                     each call resumes it; once it ends,
 #                     its drafter comes home in pieces of < 16 MiB                          (staged)
-#   recipe            benchmarks/recipe_trial.sh (env FIRST, SELF, MULTI, EPOCHS, CUDA_GRAPHS) in the
-#                     background; each call waits up to $RECIPE_S (560) s, then brings its results  (staged)
+#   recipe            benchmarks/recipe_trial.sh (env FIRST, CHARS, SELF, MULTI, EPOCHS, ONLINE, ...) in the
+#                     background; each call waits until $RECIPE_S (540) s after its start, then brings
+#                     its results (the call's own limit is 600 s)                                 (staged)
 #   bench             `specdec bench` on real SmolLM2 with the drafter folder $DRAFTER      (staged)
 #   trees             `specdec eval` of $DRAFTER's trees ($TREES, "D,K,N ..."; PLAIN=1 compares plain) (staged)
 #   serve-check       `specdec serve` on CUDA with $DRAFTER (else n-gram): requests, /metrics, diagnose (staged)
@@ -40,7 +42,7 @@ case "${1:-}" in
   -h | --help) usage; exit 0 ;;
   *) usage >&2; exit 2 ;;
 esac
-PRESET=$1
+PRESET=$1 START=$(date +%s)
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
 LOG=$OUT/gpu_$PRESET.log
@@ -123,12 +125,11 @@ regen_throughput() {
   run 150 python3 benchmarks/regen_throughput.py --limit 768 --batch-size 256 --max-new-tokens 256 \
     --max-prompt-chars 600 --out "$OUT"
 }
-quickstart() {  # about 14 minutes on an H200: two or three calls to one machine
+quickstart() {  # two or three calls to one machine
   need "$GGUF" "$DATA/sharegpt.jsonl" "$DATA/mt-bench.jsonl"
   mkdir -p "$QS"
   if ! grep -qs mean_acceptance_length "$QS/quickstart.jsonl"; then
-    run "${QS_S:-560}" sh -c "python3 -m specdec quickstart --out $QS --prompts 14000 --epochs 6 --tree-depth 0 \
-      --eval-prompts 10 --json > $QS/quickstart.jsonl"
+    run "${QS_S:-560}" sh -c "python3 -m specdec quickstart --out $QS ${QS_ARGS:-} --json > $QS/quickstart.jsonl"
   fi
   if ! grep -qs mean_acceptance_length "$QS/quickstart.jsonl"; then echo "not finished: call again"; return; fi
   cp "$QS/quickstart.jsonl" "$OUT/${DEV}_quickstart.jsonl"
@@ -143,7 +144,7 @@ s({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in l(sys.arg
   (cd /root && sha256sum drafter.tar) | tee "$OUT/drafter.tar.sha256"
 }
 recipe() {  # benchmarks/recipe_trial.sh in the background (it outlives a call); each call waits on it
-  local d=/root/recipe end=$(($(date +%s) + ${RECIPE_S:-560}))
+  local d=/root/recipe end=$((START + ${RECIPE_S:-540}))  # from the call's start: staging counts too
   need "$GGUF" "$DATA/sharegpt.jsonl" "$DATA/mt-bench.jsonl" "$DATA/humaneval.jsonl"
   mkdir -p $d
   if [ ! -f $d/started ]; then  # a copy runs: the next call rewrites the working tree under it

@@ -8,7 +8,8 @@
 #   bash benchmarks/recipe_trial.sh DIR
 #   FIRST=14000 SELF=6000 MULTI=3000 EPOCHS=3 CUDA_GRAPHS=1 bash benchmarks/recipe_trial.sh /root/recipe
 #
-# FIRST: ShareGPT first turns of <= 600 characters (the GPU quickstart's prompts), answered once.
+# FIRST: ShareGPT first turns of <= CHARS (600) characters (the GPU quickstart's prompts), answered once;
+#        a larger CHARS brings longer prompts, more text for an answer to quote.
 # MULTI: further such conversations with every user turn answered on the regenerated history.
 # SELF:  prompts the target writes itself (--prompts self, --self-topics broad), then answers.
 # ONLINE=0: capture the states to disk, then train from them (faster per epoch, ~4.6 KB a token).
@@ -20,11 +21,11 @@ mkdir -p "$D"
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
 
 stamp "prompts"
-python3 - "$D" "${FIRST:-14000}" "${MULTI:-3000}" <<'EOF'
+python3 - "$D" "${FIRST:-14000}" "${MULTI:-3000}" "${CHARS:-600}" <<'EOF'
 import json, sys
 from specdec.data.datasets import short_first_turns
-d, first, multi = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-convs = short_first_turns("sharegpt", 600, pool=4 * (first + multi))
+d, first, multi, chars = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+convs = short_first_turns("sharegpt", chars, pool=4 * (first + multi))
 for name, part, whole in (("first", convs[:first], False), ("multi", convs[first:first + multi], True)):
     with open(f"{d}/{name}.prompts.jsonl", "w") as f:
         for c in part:

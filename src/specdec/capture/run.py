@@ -131,7 +131,8 @@ def forward_padded(target, batch_of_rendered: Sequence, dtype: torch.dtype | str
     """The one forward pass behind every capture (online and offline): right-padded ids, the
     target's aux and final pre-norm states cast to `dtype`, left on the target's device. `shape`
     (rows, length): pad to it (rows of padding only) where it is larger, so that `recorded` replays
-    one graph per shape; the states of the real rows and tokens are the same either way."""
+    one graph per shape; the states of the real rows and tokens are the same either way, up to the
+    last bit in bf16 on CUDA, where another shape may run other kernels."""
     dtype = st.parse_dtype(dtype)
     pairs = [_ids_and_mask(r) for r in batch_of_rendered]
     if max_length:

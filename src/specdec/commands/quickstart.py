@@ -34,8 +34,10 @@ CPU = dict(prompts=320, self_prompts=0, max_new_tokens=128, epochs=6.0, draft_vo
            eval_prompts=10, eval_max_new_tokens=96, max_length=384, batch_tokens=256, batch_size=64,
            eval_every=200, save_every=200, cuda_graphs=False)
 # On the GPU, every ShareGPT first turn of <= 600 characters (the batch decoder regenerates them
-# quickly) for 6 epochs at 4,096 tokens per batch: many prompts for few epochs gave a longer mean
-# acceptance length on MT-Bench than fewer prompts for more epochs.
+# quickly) and prompts the target writes itself, for 4 epochs at 4,096 tokens per batch:
+# many prompts for few epochs gave a longer mean acceptance length on MT-Bench than fewer prompts
+# for more epochs, and adding the target's own prompts to the ShareGPT ones (about the same
+# training time as 6 epochs of ShareGPT alone) raised it again (benchmarks/recipe_trial.sh).
 # A CPU without native bf16 (fp32 throughout) runs every stage slower, and the CPU defaults would
 # overrun the 20 minutes: so fewer prompts, epochs and questions, with room left for a shared
 # host's slow hours (every stage slows alike there).
@@ -45,8 +47,8 @@ CPU_FP32 = dict(prompts=200, epochs=4.5, eval_prompts=6)
 # share of the training time on either device.
 # Each training step replayed as a CUDA graph on the GPU: more tokens/s than eager steps at equal
 # loss, with no compile to wait for (benchmarks/train_throughput.py, BENCHMARKS.md).
-GPU = dict(prompts=14000, self_prompts=0, max_new_tokens=256, epochs=6.0, draft_vocab_size=16384, ttt_steps=7, lr=1e-3,
-           eval_prompts=20, eval_max_new_tokens=256, max_length=2048, batch_tokens=4096, batch_size=256,
+GPU = dict(prompts=14000, self_prompts=10000, max_new_tokens=256, epochs=4.0, draft_vocab_size=16384, ttt_steps=7,
+           lr=1e-3, eval_prompts=20, eval_max_new_tokens=256, max_length=2048, batch_tokens=4096, batch_size=256,
            eval_every=500, save_every=500, cuda_graphs=True)
 
 

@@ -62,6 +62,21 @@ def test_quickstart_runs_and_resumes(tmp_path):
     assert (out / "regen.jsonl").read_text().splitlines() == regen  # nothing regenerated twice
 
 
+def test_quickstart_online_trains_without_a_capture_on_disk(tmp_path):
+    """--online (the GPU's default): the states are computed inside training, so no capture
+    directory is written, and the drafter still trains, is evaluated and resumes."""
+    out = tmp_path / "qs"
+    args = [sys.executable, "-m", "specdec", "quickstart", "--out", str(out), *ARGS, "--online", "--tree-depth", "0"]
+    r = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = json.loads(r.stdout.strip().splitlines()[-1])
+    assert line["online"] is True and "online, inside training" in r.stderr
+    assert not (out / "capture").exists() and (out / "train" / "drafter" / "config.json").exists()
+    assert line["mean_acceptance_length"] >= 1.0 and 1.0 <= line["heldout"]["walked_acceptance_length_k5"] <= 6.0
+    again = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=900)
+    assert again.returncode == 0 and "already trained" in again.stderr, again.stderr[-3000:]
+
+
 def test_cpu_without_native_bf16_gets_smaller_defaults_unless_told():
     """fp32 CPUs run every stage ~1.7x slower; their defaults keep the run under 20 minutes, but a
     size given on the command line always wins."""
@@ -77,6 +92,10 @@ def test_cpu_without_native_bf16_gets_smaller_defaults_unless_told():
     assert fp32["prompts"] < CPU["prompts"] and fp32["eval_prompts"] < CPU["eval_prompts"]
     assert {k: v for k, v in fp32.items() if k not in CPU_FP32} == {k: v for k, v in CPU.items() if k not in CPU_FP32}
     assert settings(plain, cuda=True, fp32=True) == GPU
+    # Online on the GPU, a capture on disk on a CPU, unless told.
+    assert GPU["online"] and not CPU["online"]
+    assert not settings(p.parse_args(["quickstart", "--no-online"]), cuda=True, fp32=False)["online"]
+    assert settings(p.parse_args(["quickstart", "--online"]), cuda=False, fp32=False)["online"]
     told = settings(p.parse_args(["quickstart", "--prompts", "500", "--epochs", "2"]), cuda=False, fp32=True)
     assert told["prompts"] == 500 and told["epochs"] == 2 and told["eval_prompts"] == CPU_FP32["eval_prompts"]
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 
 DESCRIPTION = """\
-The main job, end to end, on SmolLM2-135M-Instruct (no hub needed): fetch the model, let it
-answer ShareGPT prompts (self-distillation), capture its hidden states, train an EAGLE-3 drafter
-with training-time test, then measure it on MT-Bench against plain decoding and print a table
-(acceptance per position, mean acceptance length, tok/s without and with the drafter, speedup;
-a chain of 1 measured too, the step's cost fitted from the two (per drafted token and per step),
-the best k for this drafter predicted at that cost and measured, and the k to serve with; then the
-same drafter drafting an EAGLE-2 dynamic tree; on a CPU these last runs on the first half of the
-questions) ending with one JSON line. Every stage resumes: run the same
-command again after a crash.
+The main job, end to end, on SmolLM2-135M-Instruct (no hub needed): fetch the model, let it answer
+ShareGPT prompts (self-distillation), capture its hidden states (on a GPU inside training, nothing
+on disk: --online), train an EAGLE-3 drafter with training-time test, then measure it on MT-Bench
+against plain decoding and print a table (acceptance per position, mean acceptance length, tok/s
+without and with the drafter, speedup; a chain of 1 measured too, the step's cost fitted from the
+two (per drafted token and per step), the best k for this drafter predicted at that cost and
+measured, and the k to serve with; then the same drafter drafting an EAGLE-2 dynamic tree; on a CPU
+these last runs on the first half of the questions) ending with one JSON line. Every stage resumes:
+run the same command again after a crash.
 
 Defaults are sized to finish in under 20 minutes on a 2-core CPU, with native bf16 (AVX512-BF16 or
 AMX) or in fp32 elsewhere (with 200 prompts, 4.5 epochs and 6 evaluation questions); with CUDA they
@@ -32,7 +32,7 @@ examples:
 # More prompts changed nothing measurable, so the time bf16 saves goes to more evaluation prompts.
 CPU = dict(prompts=320, self_prompts=0, max_new_tokens=128, epochs=6.0, draft_vocab_size=2048, ttt_steps=4, lr=3e-3,
            eval_prompts=10, eval_max_new_tokens=96, max_length=384, batch_tokens=256, batch_size=64,
-           eval_every=200, save_every=200, cuda_graphs=False)
+           eval_every=200, save_every=200, cuda_graphs=False, online=False)
 # On the GPU, every ShareGPT first turn of <= 600 characters (the batch decoder regenerates them
 # quickly) and prompts the target writes itself, for 4 epochs at 4,096 tokens per batch:
 # many prompts for few epochs gave a longer mean acceptance length on MT-Bench than fewer prompts
@@ -47,9 +47,12 @@ CPU_FP32 = dict(prompts=200, epochs=4.5, eval_prompts=6)
 # share of the training time on either device.
 # Each training step replayed as a CUDA graph on the GPU: more tokens/s than eager steps at equal
 # loss, with no compile to wait for (benchmarks/train_throughput.py, BENCHMARKS.md).
+# Online on the GPU: the target's forward, recorded per batch shape, costs the step little, and a
+# capture of these prompts would take tens of GB of disk; on a CPU each epoch's forward would cost
+# as much as the capture, so it captures once.
 GPU = dict(prompts=14000, self_prompts=10000, max_new_tokens=256, epochs=4.0, draft_vocab_size=16384, ttt_steps=7,
            lr=1e-3, eval_prompts=20, eval_max_new_tokens=256, max_length=2048, batch_tokens=4096, batch_size=256,
-           eval_every=500, save_every=500, cuda_graphs=True)
+           eval_every=500, save_every=500, cuda_graphs=True, online=True)
 
 
 def _defaults(key: str) -> str:
@@ -89,6 +92,9 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=int, help=f"regeneration batch size ({_defaults('batch_size')})")
     p.add_argument("--max-prompt-chars", type=int, default=600,
                    help="skip ShareGPT prompts longer than this: short prompts keep CPU runs short (default: 600)")
+    p.add_argument("--online", action=argparse.BooleanOptionalAction, default=None,
+                   help="compute the hidden states inside training, each epoch, instead of capturing them to disk "
+                        "once (CPU off, GPU on)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="target precision; auto: bf16 on a GPU and on CPUs with native bf16 "
                         "(AVX512-BF16/AMX, much faster there), else fp32 (default: auto)")
@@ -118,7 +124,7 @@ def run(args) -> int:
     from ..models.formats import load_drafter
     from ..models.target import load_target
     from ..precision import dtype_name
-    from ..train.data import OfflineSource
+    from ..train.data import OfflineSource, online_source
     from ..train.loop import TrainConfig, train
 
     cuda = torch.cuda.is_available()
@@ -149,10 +155,13 @@ def run(args) -> int:
                      RegenConfig(max_new_tokens=d["max_new_tokens"], single_turn=True), batch_size=d["batch_size"])
     timings["regenerate"] = time.perf_counter() - t
 
-    t = stage("3/5 capture hidden states")
-    run_capture(target, load_records(str(out / "regen.jsonl")), out / "capture", max_length=d["max_length"],
-                log=lambda m: console.print(m))
-    timings["capture"] = time.perf_counter() - t
+    if d["online"]:
+        stage("3/5 capture hidden states: online, inside training (nothing on disk)")
+    else:
+        t = stage("3/5 capture hidden states")
+        run_capture(target, load_records(str(out / "regen.jsonl")), out / "capture", max_length=d["max_length"],
+                    log=lambda m: console.print(m))
+        timings["capture"] = time.perf_counter() - t
 
     t = stage("4/5 train the EAGLE-3 drafter")
     cfg = TrainConfig(out=str(out / "train"), epochs=d["epochs"], draft_vocab_size=d["draft_vocab_size"],
@@ -163,7 +172,9 @@ def run(args) -> int:
     if summary_file.exists() and drafter_dir.exists():
         console.print(f"already trained: {drafter_dir}")
     else:
-        train(target, OfflineSource(CaptureStore(out / "capture")), cfg, resume=True, target_name=args.target)
+        source = (online_source(target, load_records(str(out / "regen.jsonl")), d["max_length"]) if d["online"]
+                  else OfflineSource(CaptureStore(out / "capture")))
+        train(target, source, cfg, resume=True, target_name=args.target)
     timings["train"] = time.perf_counter() - t
 
     t = stage(f"5/5 evaluate on {d['eval_prompts']} MT-Bench questions (k={args.k})")
@@ -240,7 +251,7 @@ def run(args) -> int:
         "per_position_acceptance": result["per_position_acceptance"],
         "tokens_per_s": result["tokens_per_s"], "plain_tokens_per_s": result.get("plain_tokens_per_s"),
         "speedup": result.get("speedup"), "best_k": best, "tree": tree, "heldout": heldout or None,
-        "device": str(target.device),
+        "device": str(target.device), "online": d["online"],
         "dtype": dtype_name(target.dtype), "engine": engine_kind(engine),
         "questions": result["num_prompts"], "questions_skipped": result.get("skipped_prompts", 0),
         "per_category": [{key: row[key] for key in ("category", "num_prompts", "num_drafts", "mean_acceptance_length",

@@ -88,7 +88,7 @@ def register(subparsers) -> None:
 def load_source(args, target):
     """The sample source for `args`: a capture directory, or conversations captured online."""
     from ..capture.store import CaptureStore
-    from ..train.data import OfflineSource, OnlineSource
+    from ..train.data import OfflineSource, online_source
 
     if not args.online:
         store = CaptureStore(args.data)
@@ -98,21 +98,11 @@ def load_source(args, target):
                                f"capture again with this target or pass the right --target")
         return OfflineSource(store)
     from ..capture.run import load_records
-    from ..data.chat import render
 
-    records = load_records(args.data)[: args.limit]
-    rendered, ids = [], []
-    for r in records:
-        rd = render(target.tokenizer, r["messages"])
-        if sum(rd.loss_mask) and len(rd.input_ids) > 2:
-            rendered.append(rd)
-            ids.append(str(r["id"]))
-    if not rendered:
-        raise SpecdecError(f"no conversation in {args.data} has an assistant turn to learn from")
-    import torch
-
-    return OnlineSource(target, rendered, ids, torch.bfloat16 if target.device.type == "cuda" else torch.float32,
-                        args.max_length)
+    try:
+        return online_source(target, load_records(args.data)[: args.limit], args.max_length)
+    except SpecdecError as e:
+        raise SpecdecError(f"{args.data}: {e}") from None
 
 
 def parse_init_layer(value: str) -> str | int:

@@ -75,6 +75,26 @@ class OnlineSource(Source):
             yield {"input_ids": torch.tensor(r.input_ids), "loss_mask": torch.tensor(r.loss_mask)}
 
 
+def online_source(target, records: list[dict], max_length: int | None) -> OnlineSource:
+    """An OnlineSource over regenerated `records` (dicts with "id" and "messages"): those with an
+    assistant turn to learn from, their states in bf16 on a GPU (as a capture stores them) and in
+    fp32 elsewhere."""
+    from ..data.chat import render
+    from ..errors import SpecdecError
+
+    rendered, ids = [], []
+    for r in records:
+        rd = render(target.tokenizer, r["messages"])
+        if sum(rd.loss_mask) and len(rd.input_ids) > 2:
+            rendered.append(rd)
+            ids.append(str(r["id"]))
+    if not rendered:
+        raise SpecdecError(f"none of the {len(records)} conversations has an assistant turn to learn from: "
+                           "regenerate them with the target first (`specdec regenerate`)")
+    dtype = torch.bfloat16 if target.device.type == "cuda" else torch.float32
+    return OnlineSource(target, rendered, ids, dtype, max_length)
+
+
 MAX_BATCH = 64  # rows per batch, whatever their length
 GRAPH_LENGTH_MULTIPLE = 64  # the length bucket under CUDA graphs unless one is given
 

@@ -14,16 +14,17 @@
 #   train-graphs      the CUDA training tests, then eager against the step recorded as CUDA graphs (eager and
 #                     compiled kernels inside) on both drafters' shapes, in one call
 #   regen-throughput  BatchDecoder against HF generate, real SmolLM2 on ShareGPT          (staged)
-#   quickstart        `specdec quickstart` on the GPU defaults (QS_ARGS: options added, e.g. "--tree-depth 0");
-#                     each call resumes it; once it ends,
-#                     its drafter comes home in pieces of < 16 MiB                          (staged)
+#   quickstart        `specdec quickstart` on the GPU defaults (QS_ARGS: options added, e.g. "--tree-depth 0")
+#                     in the background; once it ends, its drafter comes home in pieces of < 16 MiB (staged)
 #   recipe            benchmarks/recipe_trial.sh (env FIRST, CHARS, SELF, MULTI, EPOCHS, ONLINE, ...) in the
-#                     background; each call waits until $RECIPE_S (540) s after its start, then brings
-#                     its results (the call's own limit is 600 s)                                 (staged)
+#                     background                                                                  (staged)
 #   bench             `specdec bench` on real SmolLM2 with the drafter folder $DRAFTER      (staged)
 #   trees             `specdec eval` of $DRAFTER's trees ($TREES, "D,K,N ..."; PLAIN=1 compares plain) (staged)
 #   serve-check       `specdec serve` on CUDA with $DRAFTER (else n-gram): requests, /metrics, diagnose (staged)
 #   stage             staging alone
+#
+# Background presets start their job once; each call then waits for it until $WAIT_S (540) s after the
+# call's start (the call's own limit is 600 s) and brings what there is: call again until it ends.
 #
 # Staging: the GPU machine reaches no registry and a call carries at most 64 MiB, so what the staged
 # presets read travels in pieces over calls to one warm machine, in .devdata/ or shared/.devdata/:
@@ -125,13 +126,27 @@ regen_throughput() {
   run 150 python3 benchmarks/regen_throughput.py --limit 768 --batch-size 256 --max-new-tokens 256 \
     --max-prompt-chars 600 --out "$OUT"
 }
-quickstart() {  # two or three calls to one machine
+background() {  # background DIR CMD...: CMD once, in the background (it outlives the call), then wait for it
+  local d=$1 end=$((START + ${WAIT_S:-540})); shift  # from the call's start: staging counts too
+  mkdir -p "$d"
+  if [ ! -f "$d/started" ]; then
+    touch "$d/started"
+    PYTHONPATH="$PWD/src${PYTHONPATH#src}" setsid nohup bash -c '"$@" && touch "$0/done"' "$d" "$@" \
+      > "$d/log" 2>&1 < /dev/null &
+    echo $! > "$d/pid"
+  fi
+  while [ ! -f "$d/done" ] && kill -0 "$(cat "$d/pid")" 2> /dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  if [ -f "$d/done" ]; then return 0; fi
+  if kill -0 "$(cat "$d/pid")" 2> /dev/null; then echo "not finished: call again"; else echo "it failed: see its log"; fi
+  tail -5 "$d/log"; FAILED=1; return 1
+}
+quickstart() {  # in the background: two or three calls to one machine, one uninterrupted run
   need "$GGUF" "$DATA/sharegpt.jsonl" "$DATA/mt-bench.jsonl"
   mkdir -p "$QS"
-  if ! grep -qs mean_acceptance_length "$QS/quickstart.jsonl"; then
-    run "${QS_S:-560}" sh -c "python3 -m specdec quickstart --out $QS ${QS_ARGS:-} --json > $QS/quickstart.jsonl"
-  fi
-  if ! grep -qs mean_acceptance_length "$QS/quickstart.jsonl"; then echo "not finished: call again"; return; fi
+  # shellcheck disable=SC2086  # QS_ARGS: options, split on spaces
+  background "$QS" sh -c "python3 -m specdec quickstart --out $QS ${QS_ARGS:-} --json > $QS/quickstart.jsonl" || true
+  cp "$QS/log" "$OUT/${DEV}_quickstart.log"
+  if [ ! -f "$QS/done" ]; then return; fi
   cp "$QS/quickstart.jsonl" "$OUT/${DEV}_quickstart.jsonl"
   cp "$QS/train/train_summary.json" "$OUT/${DEV}_train_summary.json"
   # The drafter comes home in bf16 without the frozen embedding (load_drafter takes the target's).
@@ -143,18 +158,13 @@ s({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in l(sys.arg
   tar -C /root -cf /root/drafter.tar drafter-home && split -b 15M /root/drafter.tar "$OUT/drafter.tar.part."
   (cd /root && sha256sum drafter.tar) | tee "$OUT/drafter.tar.sha256"
 }
-recipe() {  # benchmarks/recipe_trial.sh in the background (it outlives a call); each call waits on it
-  local d=/root/recipe end=$((START + ${RECIPE_S:-540}))  # from the call's start: staging counts too
+recipe() {  # benchmarks/recipe_trial.sh in the background; a copy runs (the next call rewrites the tree)
+  local d=/root/recipe
   need "$GGUF" "$DATA/sharegpt.jsonl" "$DATA/mt-bench.jsonl" "$DATA/humaneval.jsonl"
-  mkdir -p $d
-  if [ ! -f $d/started ]; then  # a copy runs: the next call rewrites the working tree under it
-    cp benchmarks/recipe_trial.sh $d/run.sh && touch $d/started
-    PYTHONPATH="$PWD/src${PYTHONPATH#src}" setsid nohup bash $d/run.sh $d > $d/log 2>&1 < /dev/null &
-  fi
-  while [ ! -f $d/done ] && pgrep -f "$d/run.sh" > /dev/null && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+  mkdir -p $d && if [ ! -f $d/run.sh ]; then cp benchmarks/recipe_trial.sh $d/run.sh; fi
+  background $d bash $d/run.sh $d || true
   cp $d/log "$OUT/${DEV}_recipe.log"
   for f in $d/*.json; do if [ -f "$f" ]; then cp "$f" "$OUT/${DEV}_recipe_$(basename "$f")"; fi; done
-  if [ ! -f $d/done ]; then echo "not finished: call again"; tail -5 $d/log; FAILED=1; fi
 }
 bench() {  # DRAFTER: a drafter folder (carried, relative to the repository), else the quickstart's
   local d=${DRAFTER:-$QS/train/drafter}

@@ -25,6 +25,7 @@ def test_quickstart_runs_and_resumes(tmp_path):
     assert line["tree"]["depth"] == 5 and 1.0 <= line["tree"]["mean_acceptance_length"] <= 6.0
     # MT-Bench's categories: one row each for the questions evaluated, in the JSON line
     assert sum(row["num_prompts"] for row in line["per_category"]) == line["questions"]
+    assert "by category" in r.stderr and all(row["category"] in r.stderr for row in line["per_category"])
     # On a CPU the tree runs on the first half of the questions evaluated (rounded up).
     assert line["tree"]["questions"] == (line["questions"] + 1) // 2
     assert (out / "train" / "drafter" / "config.json").exists()

@@ -126,6 +126,7 @@ def run(args) -> int:
     from ..precision import dtype_name
     from ..train.data import OfflineSource, online_source
     from ..train.loop import TrainConfig, train
+    from .eval import print_category_table
 
     cuda = torch.cuda.is_available()
     out = Path(args.out)
@@ -241,6 +242,8 @@ def run(args) -> int:
                       f"{result['num_prompts'] + result['skipped_prompts']} (the rest exceed the context)")
     table.add_row("total time", f"{(time.perf_counter() - t_start) / 60:.1f} min")
     Console(file=sys.stderr if args.json else sys.stdout).print(table)
+    if result.get("per_category"):  # where the drafter is weak: MT-Bench's categories differ widely
+        print_category_table(result, file=sys.stderr if args.json else sys.stdout)
     if not args.json:
         print(f"drafter: {drafter_dir}\nnext: specdec export --drafter {drafter_dir} --target {args.target} "
               f"--format eagle3 {out / 'export'}")

@@ -53,8 +53,8 @@ CPU_FP32 = dict(prompts=200, epochs=4.5, eval_prompts=6)
 # capture of these prompts would take tens of GB of disk; on a CPU each epoch's forward would cost
 # as much as the capture, so it captures once.
 GPU = dict(prompts=14000, self_prompts=10000, max_prompt_chars=2000, max_new_tokens=256, epochs=4.0,
-           draft_vocab_size=16384, ttt_steps=7, lr=1e-3, eval_prompts=20, eval_max_new_tokens=256, max_length=2048, batch_tokens=4096, batch_size=256,
-           eval_every=500, save_every=500, cuda_graphs=True, online=True)
+           draft_vocab_size=16384, ttt_steps=7, lr=1e-3, eval_prompts=20, eval_max_new_tokens=256, max_length=2048,
+           batch_tokens=4096, batch_size=256, eval_every=500, save_every=500, cuda_graphs=True, online=True)
 
 
 def _defaults(key: str) -> str:

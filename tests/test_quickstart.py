@@ -103,6 +103,26 @@ def test_cpu_without_native_bf16_gets_smaller_defaults_unless_told():
     assert GPU["max_prompt_chars"] > CPU["max_prompt_chars"]
     assert settings(p.parse_args(["quickstart", "--max-prompt-chars", "900"]), cuda=True, fp32=False)[
         "max_prompt_chars"] == 900
+    # --large: more prompts for fewer epochs, more training in all; options still override it.
+    large = settings(p.parse_args(["quickstart", "--large"]), cuda=True, fp32=False)
+    assert large["prompts"] > GPU["prompts"] and large["self_prompts"] > GPU["self_prompts"]
+    assert large["epochs"] < GPU["epochs"]
+    assert ((large["prompts"] + large["self_prompts"]) * large["epochs"]
+            > 2 * (GPU["prompts"] + GPU["self_prompts"]) * GPU["epochs"])
+    assert {k: v for k, v in large.items() if k not in ("prompts", "self_prompts", "epochs")} == {
+        k: v for k, v in GPU.items() if k not in ("prompts", "self_prompts", "epochs")}
+    assert settings(p.parse_args(["quickstart", "--large", "--epochs", "2"]), cuda=True, fp32=False)["epochs"] == 2
+
+
+def test_large_preset_without_a_gpu_is_refused_before_anything_is_written(tmp_path):
+    """--large is sized for a GPU; on a CPU it would run for days, so it stops at once, says why and
+    what to do, with the usage exit code, and leaves no run directory behind."""
+    out = tmp_path / "qs"
+    r = subprocess.run([sys.executable, "-m", "specdec", "quickstart", "--large", "--out", str(out)],
+                       capture_output=True, text=True, env=dict(ENV, CUDA_VISIBLE_DEVICES=""), timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--large" in r.stderr and "CUDA" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
 
 
 def test_best_k_from_two_measured_chains_then_measured_itself():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import SpecdecError
+
 DESCRIPTION = """\
 The main job, end to end, on SmolLM2-135M-Instruct (no hub needed): fetch the model, let it answer
 ShareGPT prompts (self-distillation), capture its hidden states (on a GPU inside training, nothing
@@ -22,6 +24,7 @@ use more data.
 examples:
   specdec quickstart
   specdec quickstart --out runs/qs --prompts 400 --epochs 12
+  specdec quickstart --large --out runs/qs-large     # GPU: about an hour, a better drafter
   specdec quickstart --target tiny-llama --prompts 8 --eval-prompts 2 --max-new-tokens 16   # smoke test
 """
 
@@ -55,16 +58,23 @@ CPU_FP32 = dict(prompts=200, epochs=4.5, eval_prompts=6)
 GPU = dict(prompts=14000, self_prompts=10000, max_prompt_chars=2000, max_new_tokens=256, epochs=4.0,
            draft_vocab_size=16384, ttt_steps=7, lr=1e-3, eval_prompts=20, eval_max_new_tokens=256, max_length=2048,
            batch_tokens=4096, batch_size=256, eval_every=500, save_every=500, cuda_graphs=True, online=True)
+# --large, for a user with one GPU and about an hour: every ShareGPT first turn that qualifies
+# (~15,800) and six times the target's own prompts, for fewer epochs: about three times the
+# default's training tokens, spent on more prompts rather than more passes, as above.
+GPU_LARGE = dict(prompts=20000, self_prompts=60000, epochs=3.0)
 
 
 def _defaults(key: str) -> str:
     fp32 = f" ({CPU_FP32[key]:g} without native bf16)" if key in CPU_FP32 else ""
-    return f"CPU {CPU[key]:g}{fp32}, GPU {GPU[key]:g}"
+    large = f" (--large {GPU_LARGE[key]:g})" if key in GPU_LARGE else ""
+    return f"CPU {CPU[key]:g}{fp32}, GPU {GPU[key]:g}{large}"
 
 
 def settings(args, *, cuda: bool, fp32: bool) -> dict:
-    """The run's sizes: the device's defaults, then what the command line set."""
-    d = dict(GPU) if cuda else dict(CPU, **(CPU_FP32 if fp32 else {}))
+    """The run's sizes: the device's defaults (--large: the GPU's larger preset), then what the
+    command line set."""
+    d = dict(GPU, **(GPU_LARGE if getattr(args, "large", False) else {})) if cuda else dict(
+        CPU, **(CPU_FP32 if fp32 else {}))
     d.update({key: getattr(args, key) for key in d if getattr(args, key, None) is not None})
     return d
 
@@ -74,6 +84,9 @@ def register(subparsers) -> None:
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct", help="default: smollm2-135m-instruct")
     p.add_argument("--out", default="runs/quickstart", help="run directory (default: runs/quickstart)")
+    p.add_argument("--large", action="store_true",
+                   help="the GPU's larger preset, for about an hour on one GPU: more ShareGPT prompts and six times "
+                        "the target's own, for fewer epochs (the sizes below; options still override them)")
     p.add_argument("--prompts", type=int, help=f"ShareGPT prompts to regenerate ({_defaults('prompts')})")
     p.add_argument("--self-prompts", type=int, metavar="N",
                    help="also N prompts the target writes itself (the Magpie method over broad topics: see "
@@ -132,6 +145,9 @@ def run(args) -> int:
     from .eval import print_category_table
 
     cuda = torch.cuda.is_available()
+    if args.large and not cuda:  # before the model loads
+        raise SpecdecError("--large is the GPU preset (about an hour on one GPU; days on a few CPU cores): expected "
+                           "a CUDA device, found none. Drop --large, or size a CPU run with --prompts and --epochs.")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)

@@ -99,10 +99,6 @@ def test_cpu_without_native_bf16_gets_smaller_defaults_unless_told():
     assert settings(p.parse_args(["quickstart", "--online"]), cuda=False, fp32=False)["online"]
     told = settings(p.parse_args(["quickstart", "--prompts", "500", "--epochs", "2"]), cuda=False, fp32=True)
     assert told["prompts"] == 500 and told["epochs"] == 2 and told["eval_prompts"] == CPU_FP32["eval_prompts"]
-    # Longer ShareGPT prompts on the GPU than on a CPU, unless told.
-    assert GPU["max_prompt_chars"] > CPU["max_prompt_chars"]
-    assert settings(p.parse_args(["quickstart", "--max-prompt-chars", "900"]), cuda=True, fp32=False)[
-        "max_prompt_chars"] == 900
     # --large: more prompts for fewer epochs, more training in all; options still override it.
     large = settings(p.parse_args(["quickstart", "--large"]), cuda=True, fp32=False)
     assert large["prompts"] > GPU["prompts"] and large["self_prompts"] > GPU["self_prompts"]

@@ -33,16 +33,14 @@ examples:
 # Small batches at a higher learning rate: on the same capture they gave a higher held-out
 # simulated acceptance length than larger batches at a lower one (benchmarks/drafter_recipes.py).
 # More prompts changed nothing measurable, so the time bf16 saves goes to more evaluation prompts.
-CPU = dict(prompts=320, self_prompts=0, max_prompt_chars=600, max_new_tokens=128, epochs=6.0, draft_vocab_size=2048,
-           ttt_steps=4, lr=3e-3, eval_prompts=10, eval_max_new_tokens=96, max_length=384, batch_tokens=256,
-           batch_size=64, eval_every=200, save_every=200, cuda_graphs=False, online=False)
-# On the GPU, ShareGPT first turns of <= 2,000 characters and prompts the target writes itself, for
-# 4 epochs at 4,096 tokens per batch. The longer first turns carry text for an answer to quote
-# (MT-Bench's extraction and reasoning questions are such), which n-gram lookup drafts well and a
-# drafter trained on short prompts only does not. Many prompts for few epochs gave a longer mean
-# acceptance length on MT-Bench than fewer prompts for more epochs, and adding the target's own
-# prompts to the ShareGPT ones (about the same training time as 6 epochs of ShareGPT alone) raised
-# it again (benchmarks/recipe_trial.sh).
+CPU = dict(prompts=320, self_prompts=0, max_new_tokens=128, epochs=6.0, draft_vocab_size=2048, ttt_steps=4, lr=3e-3,
+           eval_prompts=10, eval_max_new_tokens=96, max_length=384, batch_tokens=256, batch_size=64,
+           eval_every=200, save_every=200, cuda_graphs=False, online=False)
+# On the GPU, every ShareGPT first turn of <= 600 characters (the batch decoder regenerates them
+# quickly) and prompts the target writes itself, for 4 epochs at 4,096 tokens per batch:
+# many prompts for few epochs gave a longer mean acceptance length on MT-Bench than fewer prompts
+# for more epochs, and adding the target's own prompts to the ShareGPT ones (about the same
+# training time as 6 epochs of ShareGPT alone) raised it again (benchmarks/recipe_trial.sh).
 # A CPU without native bf16 (fp32 throughout) runs every stage slower, and the CPU defaults would
 # overrun the 20 minutes: so fewer prompts, epochs and questions, with room left for a shared
 # host's slow hours (every stage slows alike there).
@@ -55,11 +53,11 @@ CPU_FP32 = dict(prompts=200, epochs=4.5, eval_prompts=6)
 # Online on the GPU: the target's forward, recorded per batch shape, costs the step little, and a
 # capture of these prompts would take tens of GB of disk; on a CPU each epoch's forward would cost
 # as much as the capture, so it captures once.
-GPU = dict(prompts=14000, self_prompts=10000, max_prompt_chars=2000, max_new_tokens=256, epochs=4.0,
-           draft_vocab_size=16384, ttt_steps=7, lr=1e-3, eval_prompts=20, eval_max_new_tokens=256, max_length=2048,
-           batch_tokens=4096, batch_size=256, eval_every=500, save_every=500, cuda_graphs=True, online=True)
+GPU = dict(prompts=14000, self_prompts=10000, max_new_tokens=256, epochs=4.0, draft_vocab_size=16384, ttt_steps=7,
+           lr=1e-3, eval_prompts=20, eval_max_new_tokens=256, max_length=2048, batch_tokens=4096, batch_size=256,
+           eval_every=500, save_every=500, cuda_graphs=True, online=True)
 # --large, for a user with one GPU and about an hour: every ShareGPT first turn that qualifies
-# (~15,800) and six times the target's own prompts, for fewer epochs: about three times the
+# (~14,100) and six times the target's own prompts, for fewer epochs: about three times the
 # default's training tokens, spent on more prompts rather than more passes, as above.
 GPU_LARGE = dict(prompts=20000, self_prompts=60000, epochs=3.0)
 
@@ -105,9 +103,8 @@ def register(subparsers) -> None:
     p.add_argument("--eval-prompts", type=int, help=f"MT-Bench questions to evaluate on ({_defaults('eval_prompts')})")
     p.add_argument("--eval-max-new-tokens", type=int, help=f"({_defaults('eval_max_new_tokens')})")
     p.add_argument("--batch-size", type=int, help=f"regeneration batch size ({_defaults('batch_size')})")
-    p.add_argument("--max-prompt-chars", type=int,
-                   help="skip ShareGPT prompts longer than this: short prompts keep CPU runs short "
-                        f"({_defaults('max_prompt_chars')})")
+    p.add_argument("--max-prompt-chars", type=int, default=600,
+                   help="skip ShareGPT prompts longer than this: short prompts keep CPU runs short (default: 600)")
     p.add_argument("--online", action=argparse.BooleanOptionalAction, default=None,
                    help="compute the hidden states inside training, each epoch, instead of capturing them to disk "
                         "once (CPU off, GPU on)")
@@ -166,8 +163,9 @@ def run(args) -> int:
     d = settings(args, cuda=cuda, fp32=target.dtype == torch.float32)
 
     own = f" and {d['self_prompts']} of the target's own" if d["self_prompts"] else ""
-    t = stage(f"2/5 regenerate {d['prompts']} ShareGPT prompts{own}")
-    convs = short_first_turns("sharegpt", d["max_prompt_chars"], pool=max(4 * d["prompts"], 200))[: d["prompts"]]
+    # All there are where --prompts asks for more (--large does).
+    convs = short_first_turns("sharegpt", args.max_prompt_chars, pool=max(4 * d["prompts"], 200))[: d["prompts"]]
+    t = stage(f"2/5 regenerate {len(convs)} ShareGPT prompts{own}")
     if d["self_prompts"]:
         convs += own_prompts(target, out / "regen.jsonl", d["self_prompts"], d["batch_size"],
                              log=lambda m: console.print(m))

@@ -141,7 +141,9 @@ def test_cuda_the_recorded_forward_gives_the_eager_states(tiny_dirs):
     BF16 = dict(atol=1e-3, rtol=1.6e-2)  # torch's rtol for bf16; atol about two ulps at the states' scale
     rs = [render(gpu.tokenizer, r["messages"]) for r in records(6)]
     recorded = RecordedForward(gpu)
-    batches = [(rs[:3], (4, 128)), (rs[3:], (4, 128)), (rs[:2], (3, 64)), (rs[3:], (4, 128))]
+    # Shapes larger than every sample (61-145 tokens), so each batch pads to its shape exactly.
+    assert max(len(r) for r in rs) <= 160
+    batches = [(rs[:3], (4, 160)), (rs[3:], (4, 160)), (rs[:2], (3, 96)), (rs[3:], (4, 160))]
 
     def check(results):
         for batch, shape in batches:
@@ -158,7 +160,7 @@ def test_cuda_the_recorded_forward_gives_the_eager_states(tiny_dirs):
     worker.start()
     worker.join()
     assert done == [True, True]
-    assert recorded.failed is None and recorded.shapes == {(4, 128), (3, 64)}
+    assert recorded.failed is None and recorded.shapes == {(4, 160), (3, 96)}
 
 
 def test_two_threads_capture_at_once_each_their_own_states(target):

@@ -151,29 +151,6 @@ def forward_rate(source: OnlineSource, batch_tokens: int, batches: int, profiled
     return rate
 
 
-def ttt_attention_per_position(q, k0, v0, step_k=None, step_v=None, live=None):
-    """models/drafter.py's ttt_attention with the live-step keys and values taken as one small
-    product per position ([rep, hd] x [hd, S]) instead of a broadcast product and sum over
-    [B, kvh, rep, T, S, hd]: the same numbers, fewer bytes moved, smaller kernels (--ttt-attention)."""
-    import math
-
-    from specdec.models.drafter import ttt_attention
-
-    if step_k is None:
-        return ttt_attention(q, k0, v0)
-    b, nh, t, hd = q.shape
-    kvh = k0.shape[1]
-    qg = q.view(b, kvh, nh // kvh, t, hd) * (1.0 / math.sqrt(hd))  # shape: [B, kvh, rep, T, hd]
-    scores = qg @ k0.unsqueeze(2).transpose(-1, -2)  # shape: [B, kvh, rep, T, T]
-    scores = scores + torch.full((t, t), float("-inf"), device=q.device, dtype=scores.dtype).triu(1)
-    diag = (qg.transpose(2, 3) @ step_k.transpose(-1, -2)).transpose(2, 3)  # shape: [B, kvh, rep, T, S]
-    diag = diag.masked_fill(~live, float("-inf"))
-    probs = torch.softmax(torch.cat([scores, diag], -1), -1)
-    out = probs[..., :t] @ v0.unsqueeze(2)
-    out = out + (probs[..., t:].transpose(2, 3) @ step_v).transpose(2, 3)
-    return out.reshape(b, nh, t, hd)
-
-
 def flops_per_token(cfg, ttt: int, vocab: int, ctx: float) -> float:
     """3x (forward): fc once, the layer and lm_head once per TTT step, attention over ~ctx keys."""
     H, inter = cfg.hidden_size, cfg.intermediate_size
@@ -196,8 +173,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cpu-size", action="store_true",
                     help="the CPU quickstart's settings on the CPU: 256 tokens per batch, TTT 4, draft vocab 2,048")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: small shapes, few steps")
-    ap.add_argument("--ttt-attention", choices=["broadcast", "per-position"], default="broadcast",
-                    help="per-position: every row trains with ttt_attention_per_position (this file)")
     ap.add_argument("--out", default=None)
     return ap.parse_args()
 
@@ -205,11 +180,6 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     rows = args.rows.split(",")
-    if args.ttt_attention == "per-position":
-        import specdec.train.ttt
-
-        specdec.train.ttt.ttt_attention = ttt_attention_per_position
-        args.tag += ", ttt_attention per position"
     settings = {row: row_settings(row) for row in rows}  # an unknown row stops the run before it starts
     dev = "cuda" if torch.cuda.is_available() and not (args.tiny or args.cpu_size) else "cpu"
     if args.tiny:

@@ -323,7 +323,9 @@ def ttt_attention(q, k0, v0, step_k: torch.Tensor | None = None, step_v: torch.T
     [B, kvh, T, S, hd], with `live` bool [S] saying which of the S slots hold a step's key yet:
     a fixed number of slots keeps every step's shapes the same (train/ttt.py compiles one step
     and runs it for all), and a slot not yet live gets no weight. Grouped query heads are
-    broadcast, never copied.
+    broadcast, never copied. The step keys and values enter as one small product per position
+    ([rep, hd] x [hd, S]): a broadcast product and sum over [B, kvh, rep, T, S, hd] would move
+    more bytes through more kernels, and the step is bound by its small kernels.
     """
     b, nh, t, hd = q.shape
     kvh = k0.shape[1]
@@ -335,9 +337,9 @@ def ttt_attention(q, k0, v0, step_k: torch.Tensor | None = None, step_v: torch.T
     scores = scores + causal
     if step_k is None:
         return (torch.softmax(scores, -1) @ v0.unsqueeze(2)).reshape(b, nh, t, hd)
-    diag = (qg.unsqueeze(-2) * scale * step_k.unsqueeze(2)).sum(-1)  # shape: [B, kvh, rep, T, S]
+    diag = ((qg * scale).transpose(2, 3) @ step_k.transpose(-1, -2)).transpose(2, 3)  # shape: [B, kvh, rep, T, S]
     diag = diag.masked_fill(~live, float("-inf"))
     probs = torch.softmax(torch.cat([scores, diag], -1), -1)
     out = probs[..., :t] @ v0.unsqueeze(2)  # shape: [B, kvh, rep, T, hd]
-    out = out + (probs[..., t:].unsqueeze(-1) * step_v.unsqueeze(2)).sum(-2)
+    out = out + (probs[..., t:].transpose(2, 3) @ step_v).transpose(2, 3)
     return out.reshape(b, nh, t, hd)

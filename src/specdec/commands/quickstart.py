@@ -24,7 +24,7 @@ use more data.
 examples:
   specdec quickstart
   specdec quickstart --out runs/qs --prompts 400 --epochs 12
-  specdec quickstart --large --out runs/qs-large     # GPU: about an hour, a better drafter
+  specdec quickstart --large --out runs/qs-large     # GPU: ~3x the training, about an hour (predicted)
   specdec quickstart --target tiny-llama --prompts 8 --eval-prompts 2 --max-new-tokens 16   # smoke test
 """
 
@@ -85,7 +85,8 @@ def register(subparsers) -> None:
     p.add_argument("--large", action="store_true",
                    help="the GPU's larger preset, for about an hour on one GPU: more ShareGPT prompts and six times "
                         "the target's own, for fewer epochs (the sizes below; options still override them)")
-    p.add_argument("--prompts", type=int, help=f"ShareGPT prompts to regenerate ({_defaults('prompts')})")
+    p.add_argument("--prompts", type=int, help=f"ShareGPT prompts to regenerate ({_defaults('prompts')}; more "
+                                               "than there are takes all: ~14,100 of <= 600 characters)")
     p.add_argument("--self-prompts", type=int, metavar="N",
                    help="also N prompts the target writes itself (the Magpie method over broad topics: see "
                         "`specdec regenerate --prompts self`), answered with the ShareGPT ones "

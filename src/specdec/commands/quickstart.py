@@ -71,8 +71,10 @@ def _defaults(key: str) -> str:
 def settings(args, *, cuda: bool, fp32: bool) -> dict:
     """The run's sizes: the device's defaults (--large: the GPU's larger preset), then what the
     command line set."""
-    d = dict(GPU, **(GPU_LARGE if getattr(args, "large", False) else {})) if cuda else dict(
-        CPU, **(CPU_FP32 if fp32 else {}))
+    if cuda:
+        d = dict(GPU, **(GPU_LARGE if args.large else {}))
+    else:
+        d = dict(CPU, **(CPU_FP32 if fp32 else {}))
     d.update({key: getattr(args, key) for key in d if getattr(args, key, None) is not None})
     return d
 

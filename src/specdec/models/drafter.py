@@ -330,14 +330,13 @@ def ttt_attention(q, k0, v0, step_k: torch.Tensor | None = None, step_v: torch.T
     b, nh, t, hd = q.shape
     kvh = k0.shape[1]
     rep = nh // kvh
-    qg = q.view(b, kvh, rep, t, hd)  # shape: [B, kvh, rep, T, hd]
-    scale = 1.0 / math.sqrt(hd)
-    scores = (qg * scale) @ k0.unsqueeze(2).transpose(-1, -2)  # shape: [B, kvh, rep, T, T]
+    qg = q.view(b, kvh, rep, t, hd) * (1.0 / math.sqrt(hd))  # shape: [B, kvh, rep, T, hd], scaled once
+    scores = qg @ k0.unsqueeze(2).transpose(-1, -2)  # shape: [B, kvh, rep, T, T]
     causal = torch.full((t, t), float("-inf"), device=q.device, dtype=scores.dtype).triu(1)
     scores = scores + causal
     if step_k is None:
         return (torch.softmax(scores, -1) @ v0.unsqueeze(2)).reshape(b, nh, t, hd)
-    diag = ((qg * scale).transpose(2, 3) @ step_k.transpose(-1, -2)).transpose(2, 3)  # shape: [B, kvh, rep, T, S]
+    diag = (qg.transpose(2, 3) @ step_k.transpose(-1, -2)).transpose(2, 3)  # shape: [B, kvh, rep, T, S]
     diag = diag.masked_fill(~live, float("-inf"))
     probs = torch.softmax(torch.cat([scores, diag], -1), -1)
     out = probs[..., :t] @ v0.unsqueeze(2)  # shape: [B, kvh, rep, T, hd]

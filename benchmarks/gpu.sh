@@ -17,7 +17,8 @@
 #   quickstart        `specdec quickstart` on the GPU defaults (QS_ARGS: options added, e.g. "--tree-depth 0")
 #                     in the background; once it ends, its drafter comes home in pieces of < 16 MiB (staged)
 #   recipe            benchmarks/recipe_trial.sh (env FIRST, CHARS, SELF, MULTI, EPOCHS, ONLINE, ...) in the
-#                     background                                                                  (staged)
+#                     background; ARMS="CHARS=600 CHARS=2000,EPOCHS=3": one trial per arm (its settings
+#                     comma-separated, over the shared ones), all at once on the one GPU      (staged)
 #   bench             `specdec bench` on real SmolLM2 with the drafter folder $DRAFTER      (staged)
 #   trees             `specdec eval` of $DRAFTER's trees ($TREES, "D,K,N ..."; PLAIN=1 compares plain) (staged)
 #   serve-check       `specdec serve` on CUDA with $DRAFTER (else n-gram): requests, /metrics, diagnose (staged)
@@ -158,12 +159,26 @@ s({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in l(sys.arg
   (cd /root && sha256sum drafter.tar) | tee "$OUT/drafter.tar.sha256"
 }
 recipe() {  # benchmarks/recipe_trial.sh in the background; a copy runs (the next call rewrites the tree)
-  local d=/root/recipe
+  local d=/root/recipe arm f i=0
   need "$GGUF" "$DATA/sharegpt.jsonl" "$DATA/mt-bench.jsonl" "$DATA/humaneval.jsonl"
   mkdir -p $d && if [ ! -f $d/run.sh ]; then cp benchmarks/recipe_trial.sh $d/run.sh; fi
-  background $d bash $d/run.sh $d || true
-  cp $d/log "$OUT/${DEV}_recipe.log"
-  for f in $d/*.json; do if [ -f "$f" ]; then cp "$f" "$OUT/${DEV}_recipe_$(basename "$f")"; fi; done
+  if [ -z "${ARMS:-}" ]; then
+    background $d bash $d/run.sh $d || true
+    cp $d/log "$OUT/${DEV}_recipe.log"
+    for f in $d/*.json; do if [ -f "$f" ]; then cp "$f" "$OUT/${DEV}_recipe_$(basename "$f")"; fi; done
+    return
+  fi
+  # Arms side by side: acceptance does not depend on the GPU's contention, only their times do.
+  background $d bash -c 'i=0; for arm in $1; do i=$((i + 1)); env ${arm//,/ } bash "$0/run.sh" "$0/arm$i" \
+    > "$0/arm$i.log" 2>&1 & done; wait' $d "$ARMS" || true
+  for arm in $ARMS; do  # at most 8 files come back: the log, MT-Bench's result and the training summary
+    i=$((i + 1))
+    echo "arm$i: $arm" | tee -a "$LOG"
+    if [ -f $d/arm$i.log ]; then cp $d/arm$i.log "$OUT/${DEV}_recipe_arm$i.log"; fi
+    for f in $d/arm$i/eval_mtbench_k5.json $d/arm$i/train_summary.json; do
+      if [ -f "$f" ]; then cp "$f" "$OUT/${DEV}_recipe_arm${i}_$(basename "$f")"; fi
+    done
+  done
 }
 bench() {  # DRAFTER: a drafter folder (carried, relative to the repository), else the quickstart's
   local d=${DRAFTER:-$QS/train/drafter}

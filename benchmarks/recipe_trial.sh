@@ -14,6 +14,7 @@
 # SELF:  prompts the target writes itself (--prompts self, --self-topics broad), then answers.
 # ONLINE=0: capture the states to disk, then train from them (faster per epoch, ~4.6 KB a token).
 # HUMANEVAL=0, NGRAM=0: without HumanEval, without n-gram lookup (MT-Bench at k = 5 always runs).
+# LR (1e-3), BATCH_TOKENS (4096): the training's learning rate and tokens per batch.
 set -euo pipefail
 D=$1
 T=${TARGET:-smollm2-135m-instruct}
@@ -56,7 +57,8 @@ if [ "${ONLINE:-1}" = 0 ]; then  # captured to disk first (~4.6 KB a token for S
 fi
 stamp "train"
 [ -f "$D/train/train_summary.json" ] || python3 -m specdec train --target "$T" "${data[@]}" \
-  -o "$D/train" --epochs "${EPOCHS:-3}" --batch-tokens 4096 --ttt-steps 7 --draft-vocab-size 16384 --lr 1e-3 \
+  -o "$D/train" --epochs "${EPOCHS:-3}" --batch-tokens "${BATCH_TOKENS:-4096}" --lr "${LR:-1e-3}" \
+  --ttt-steps 7 --draft-vocab-size 16384 \
   --eval-every 1000 --save-every 1000 --resume ${CUDA_GRAPHS:+--cuda-graphs} --json > "$D/train.json"
 cp "$D/train/train_summary.json" "$D/train_summary.json"
 

@@ -25,6 +25,9 @@ Rows:
              conversations, replayed from a CUDA graph per padded shape; before it, that forward
              alone over 60 batches (the source's own rate), recorded and eager
   online-eager-forward  the same with the target's forward run eagerly (as before it was recorded)
+  online-compiled  the online row with the compiled loss recorded (train --online --compile
+             --cuda-graphs); the rate counts the compile, as a quickstart's training would
+  online-compiled-warm  the same again in this process (the difference of the two walls is the compile)
   quickstart compiled, with `specdec train`'s defaults: held-out evaluation every 100 steps, a
              checkpoint every 200
 
@@ -87,7 +90,7 @@ def synthetic_capture(directory: Path, cfg, n: int, g: torch.Generator, aux_laye
 
 
 ROWS = ("eager", "compiled", "compiled-warm", "graphs", "graphs-compiled", "graphs-compiled-warm", "online",
-        "online-eager-forward", "quickstart")
+        "online-eager-forward", "online-compiled", "online-compiled-warm", "quickstart")
 
 
 def row_settings(row: str) -> dict:
@@ -95,7 +98,8 @@ def row_settings(row: str) -> dict:
     if row not in ROWS:
         raise SystemExit(f"unknown row {row!r}: expected one of {', '.join(ROWS)}")
     online = row.startswith("online")
-    return {"compile": row not in ("eager", "graphs") and not online, "cuda_graphs": row.startswith("graphs") or online}
+    compiled = "compiled" in row or row == "quickstart"
+    return {"compile": compiled, "cuda_graphs": row.startswith("graphs") or online}
 
 
 class EagerForwardSource(OnlineSource):

@@ -15,6 +15,7 @@
 # ONLINE=0: capture the states to disk, then train from them (faster per epoch, ~4.6 KB a token).
 # HUMANEVAL=0, NGRAM=0: without HumanEval, without n-gram lookup (MT-Bench at k = 5 always runs).
 # LR (1e-3), BATCH_TOKENS (4096): the training's learning rate and tokens per batch.
+# QUESTIONS (20), MAX_NEW_TOKENS (256): questions per evaluation; new tokens per answer, in training data too.
 set -euo pipefail
 D=$1
 T=${TARGET:-smollm2-135m-instruct}
@@ -33,7 +34,7 @@ for name, part, whole in (("first", convs[:first], False), ("multi", convs[first
             f.write(json.dumps({"id": c.id, "messages": c.messages if whole else c.messages[:1]}) + "\n")
     print(name, len(part))
 EOF
-regen() { python3 -m specdec regenerate --target "$T" --max-new-tokens 256 --no-progress "$@"; }
+regen() { python3 -m specdec regenerate --target "$T" --max-new-tokens "${MAX_NEW_TOKENS:-256}" --no-progress "$@"; }
 stamp "regenerate first turns"
 regen --prompts "$D/first.prompts.jsonl" --single-turn -o "$D/first.jsonl"
 if [ "${SELF:-6000}" -gt 0 ]; then
@@ -63,7 +64,8 @@ stamp "train"
 cp "$D/train/train_summary.json" "$D/train_summary.json"
 
 evaluate() {  # evaluate NAME ARGS...
-  [ -s "$D/$1.json" ] || python3 -m specdec eval --target "$T" --limit 20 --max-new-tokens 256 --compare-plain \
+  [ -s "$D/$1.json" ] || python3 -m specdec eval --target "$T" --limit "${QUESTIONS:-20}" \
+    --max-new-tokens "${MAX_NEW_TOKENS:-256}" --compare-plain \
     --no-progress --json "${@:2}" > "$D/$1.json"
 }
 stamp "evaluate"

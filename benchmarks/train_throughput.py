@@ -25,6 +25,9 @@ Rows:
              conversations, replayed from a CUDA graph per padded shape; before it, that forward
              alone over 60 batches (the source's own rate), recorded and eager
   online-eager-forward  the same with the target's forward run eagerly (as before it was recorded)
+  graphs-fused  the graphs row with each TTT step's soft cross-entropy as one Triton kernel each way
+             (train --cuda-graphs --fused-loss)
+  online-fused  the online row with that loss (train --online --cuda-graphs --fused-loss)
   online-compiled  the online row with the compiled loss recorded (train --online --compile
              --cuda-graphs); the rate counts the compile, as a quickstart's training would
   online-compiled-warm  the same again in this process (the difference of the two walls is the compile)
@@ -90,16 +93,16 @@ def synthetic_capture(directory: Path, cfg, n: int, g: torch.Generator, aux_laye
 
 
 ROWS = ("eager", "compiled", "compiled-warm", "graphs", "graphs-compiled", "graphs-compiled-warm", "online",
-        "online-eager-forward", "online-compiled", "online-compiled-warm", "quickstart")
+        "online-eager-forward", "online-compiled", "online-compiled-warm", "graphs-fused", "online-fused", "quickstart")
 
 
 def row_settings(row: str) -> dict:
-    """TrainConfig's compile and cuda_graphs for a row."""
+    """TrainConfig's compile, cuda_graphs and fused_loss for a row."""
     if row not in ROWS:
         raise SystemExit(f"unknown row {row!r}: expected one of {', '.join(ROWS)}")
     online = row.startswith("online")
     compiled = "compiled" in row or row == "quickstart"
-    return {"compile": compiled, "cuda_graphs": row.startswith("graphs") or online}
+    return {"compile": compiled, "cuda_graphs": row.startswith("graphs") or online, "fused_loss": "fused" in row}
 
 
 class EagerForwardSource(OnlineSource):
@@ -238,7 +241,8 @@ def main() -> None:
         mfu = tok_s * fpt / HOPPER_BF16_PEAK if dev == "cuda" else None
         r = {"tag": args.tag, "row": row, "shapes": args.shapes, "device": dev, "card": card_name(),
              "steps": s["steps"], "tokens_per_s": tok_s, "compiled": s.get("compiled"),
-             "cuda_graphs": s.get("cuda_graphs"), "cuda_graph_shapes": s.get("cuda_graph_shapes"),
+             "cuda_graphs": s.get("cuda_graphs"), "fused_loss": s.get("fused_loss"),
+             "cuda_graph_shapes": s.get("cuda_graph_shapes"),
              "last_loss": s.get("last_loss"),
              "wall_s": time.perf_counter() - t, "flops_per_token": fpt, "mfu": mfu}
         record(r)

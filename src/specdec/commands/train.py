@@ -22,6 +22,7 @@ examples:
   specdec train --target smollm2-135m-instruct --online --data runs/smol/regen.jsonl -o runs/smol/train
   specdec train ... --compile                         # a long run on a GPU: the TTT step compiled once
   specdec train ... --compile --cuda-graphs           # compiled, each step replayed as a CUDA graph
+  specdec train ... --cuda-graphs --fused-loss        # eager steps, the loss as one Triton kernel each way
   specdec train ... --resume                          # after a crash or kill -9
   specdec train ... --init yuhuili-style-drafter/     # fine-tune, vocab mapping kept
   torchrun --nproc-per-node 2 -m specdec train --target T --data CAP -o OUT   # DDP (gloo on CPU)
@@ -78,6 +79,9 @@ def register(subparsers) -> None:
                         "replay it: batches are padded to one shape per length bucket (--length-multiple, 64 "
                         "unless given), one graph per shape; with --compile or without. With --online the "
                         "target's forward is recorded per shape as well")
+    p.add_argument("--fused-loss", action="store_true",
+                   help="on CUDA, each TTT step's soft cross-entropy as one Triton kernel forward and one "
+                        "backward, reading the logits once each way (eager steps; --compile fuses its own)")
     p.add_argument("--length-multiple", type=int, default=1,
                    help="pad each batch's length to a multiple of this and its rows to what --batch-tokens holds "
                         "at that length: one batch shape per length bucket (default: 1, each batch its own shape)")
@@ -138,7 +142,8 @@ def run(args) -> int:
                       norm_before_residual=args.norm_before_residual, intermediate_size=args.intermediate_size,
                       init_layer=parse_init_layer(args.init_layer),
                       bf16=None if args.dtype == "auto" else args.dtype == "bf16", compile=args.compile,
-                      cuda_graphs=args.cuda_graphs, length_multiple=args.length_multiple)
+                      cuda_graphs=args.cuda_graphs, fused_loss=args.fused_loss,
+                      length_multiple=args.length_multiple)
     summary = train(target, source, cfg, init=args.init, resume=args.resume, target_name=str(args.target))
     if int(os.environ.get("RANK", 0)) == 0:
         if args.json:

@@ -42,6 +42,10 @@ class TrainConfig:
     # kernel. Eager or compiled steps alike; an online source's target forward too; elsewhere, and
     # under DDP, ignored.
     cuda_graphs: bool = False
+    # The soft cross-entropy of every TTT step as one Triton kernel each way (train/fused_loss.py):
+    # a few bytes of traffic per logit where the PyTorch ops make several passes over the logits.
+    # CUDA with Triton (or its interpreter); the compiled step keeps its own fusion.
+    fused_loss: bool = False
     # Batches padded to a length that is a multiple of this and to the rows batch_tokens holds at
     # that length (data.padded_shape): one shape per length bucket. 1: each batch's own shape.
     # CUDA graphs take data.GRAPH_LENGTH_MULTIPLE where this is left at 1.

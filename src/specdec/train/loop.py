@@ -27,6 +27,7 @@ from ..errors import SpecdecError
 from ..models.drafter import DrafterConfig, Eagle3Drafter
 from ..precision import compute_dtype, dtype_name
 from ..shape_graphs import ShapeGraphs
+from . import fused_loss
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .data import GRAPH_LENGTH_MULTIPLE, global_batches, is_heldout, padded_shape, step_batches
@@ -69,6 +70,20 @@ def compiled_steps(backend: str = "inductor") -> TTTSteps:
     if backend == "inductor":
         options = {"triton.coalesce_tiling_analysis": False}
     return TTTSteps().compiled(dynamic=True, fullgraph=True, backend=backend, options=options)
+
+
+def step_functions(cfg: TrainConfig, device: torch.device) -> TTTSteps:
+    """The TTT step's functions `cfg` asks for: compiled, eager with the fused soft cross-entropy
+    where its kernels run on `device`, or eager."""
+    if cfg.compile:
+        if cfg.fused_loss:
+            log("specdec train: --fused-loss is for eager steps; the compiled step fuses its own loss")
+        return compiled_steps()
+    if cfg.fused_loss:
+        if fused_loss.available(torch.empty(0, device=device)):
+            return TTTSteps(cross_entropy=fused_loss.fused_soft_cross_entropy)
+        log("specdec train: --fused-loss needs CUDA with Triton; training with the PyTorch loss")
+    return EAGER
 
 
 def log(msg: str) -> None:
@@ -174,7 +189,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
             "training without them")
     multiple = GRAPH_LENGTH_MULTIPLE if graphs and cfg.length_multiple == 1 else cfg.length_multiple
     module = DrafterTTT(drafter, head, cfg.ttt_steps, cfg.ttt_decay, cfg.feature_loss,
-                        compiled_steps() if cfg.compile else EAGER).to(device)
+                        step_functions(cfg, device)).to(device)
     argmax_cache = TargetArgmaxCache(source, head, device)
     wrapped = module
     if world > 1:
@@ -198,6 +213,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         log(f"specdec train: resuming from {ckpt} (step {step}/{total})")
     hold_lr(opt, device if graphs else None)  # after the scheduler read its base rate, and after a resume
     info["compiled"] = cfg.compile
+    info["fused_loss"] = module.fns.cross_entropy is fused_loss.fused_soft_cross_entropy
     info["cuda_graphs"] = graphs
     info["length_multiple"] = multiple
     bf16 = compute_dtype(device) == torch.bfloat16 if cfg.bf16 is None else cfg.bf16

@@ -25,7 +25,7 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(X, P, CE, LSE, PSUM, n, V, sxb, sxt, spb, spt, BLOCK_V: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # a batch's logits may pass 2**31 elements
         b, t = row // n, row % n
         x_row, p_row = X + b * sxb + t * sxt, P + b * spb + t * spt
         # Per lane: running max, sum of exponentials below it, sum of p * x and of p. Masked lanes
@@ -53,7 +53,7 @@ if triton is not None:
 
     @triton.jit
     def _backward_kernel(X, P, LSE, PSUM, G, DX, n, V, sxb, sxt, spb, spt, BLOCK_V: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         b, t = row // n, row % n
         x_row, p_row, dx_row = X + b * sxb + t * sxt, P + b * spb + t * spt, DX + row * V
         lse, psum, g = tl.load(LSE + row), tl.load(PSUM + row), tl.load(G + row)

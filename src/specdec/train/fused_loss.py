@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.gemv import INTERPRETED, triton
+from .ttt import weighted_mean
 
 if triton is not None:
     import triton.language as tl
@@ -66,9 +67,9 @@ if triton is not None:
             tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=keep)
 
 
-def available(x: torch.Tensor) -> bool:
-    """Whether the kernels can take `x`: on CUDA with Triton, or on any device under its interpreter."""
-    return triton is not None and (x.device.type == "cuda" or INTERPRETED)
+def available(device: torch.device | str) -> bool:
+    """Whether the kernels run on `device`: CUDA with Triton, or any device under its interpreter."""
+    return triton is not None and (torch.device(device).type == "cuda" or INTERPRETED)
 
 
 def _block(V: int) -> int:
@@ -107,5 +108,4 @@ def fused_soft_cross_entropy(logits: torch.Tensor, p_target: torch.Tensor, weigh
     """`ttt.soft_cross_entropy` with the per-row work in the kernels above: the mean over the
     weighted positions of -sum(p_target * log_softmax(logits)); logits and p_target [B, n, Vd],
     weight [B, n]."""
-    ce = _SoftCrossEntropy.apply(logits, p_target)
-    return (ce * weight).sum() / weight.sum().clamp(min=1.0)
+    return weighted_mean(_SoftCrossEntropy.apply(logits, p_target), weight)

@@ -80,7 +80,7 @@ def step_functions(cfg: TrainConfig, device: torch.device) -> TTTSteps:
             log("specdec train: --fused-loss is for eager steps; the compiled step fuses its own loss")
         return compiled_steps()
     if cfg.fused_loss:
-        if fused_loss.available(torch.empty(0, device=device)):
+        if fused_loss.available(device):
             return TTTSteps(cross_entropy=fused_loss.fused_soft_cross_entropy)
         log("specdec train: --fused-loss needs CUDA with Triton; training with the PyTorch loss")
     return EAGER

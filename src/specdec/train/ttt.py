@@ -199,8 +199,12 @@ def later_step(raw: Eagle3Drafter, ids, hidden, positions, k0, v0, step_k, step_
 def soft_cross_entropy(logits: torch.Tensor, p_target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Mean over the weighted positions of -sum(p_target * log_softmax(logits)): logits and
     p_target [B, n, Vd], weight [B, n]."""
-    ce = -(p_target * F.log_softmax(logits.float(), -1)).sum(-1)
-    return (ce * weight).sum() / weight.sum().clamp(min=1.0)
+    return weighted_mean(-(p_target * F.log_softmax(logits.float(), -1)).sum(-1), weight)
+
+
+def weighted_mean(per_position: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The mean of a per-position loss [B, n] over the weighted positions (none weighted: 0)."""
+    return (per_position * weight).sum() / weight.sum().clamp(min=1.0)
 
 
 @dataclass(frozen=True)

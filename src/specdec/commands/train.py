@@ -121,17 +121,22 @@ def parse_init_layer(value: str) -> str | int:
 def run(args) -> int:
     import json
     import os
+    import time
 
     from ..models.target import load_target
-    from ..train.loop import TrainConfig, train
+    from ..train.loop import TrainConfig, log, train
 
     device = args.device
     if device is None and "LOCAL_RANK" in os.environ:
         import torch
 
         device = f"cuda:{os.environ['LOCAL_RANK']}" if torch.cuda.is_available() else "cpu"
+    started = time.perf_counter()
     target = load_target(args.target, device=device)
+    loaded = time.perf_counter()
     source = load_source(args, target)
+    log(f"specdec train: the target loaded in {loaded - started:.0f} s, {len(source.ids):,} samples read "
+        f"in {time.perf_counter() - loaded:.0f} s")
     cfg = TrainConfig(out=args.output, epochs=args.epochs, lr=args.lr, warmup=args.warmup, grad_clip=args.grad_clip,
                       weight_decay=args.weight_decay,
                       batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, ttt_decay=args.ttt_decay,

@@ -155,6 +155,7 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
     if cfg.length_multiple < 1:
         raise SpecdecError(f"length multiple {cfg.length_multiple}: expected 1 (each batch its own shape) or more "
                            "(padded to a multiple of it); nothing was written")
+    started = time.perf_counter()
     rank, world, _ = dist_env()
     cuda = torch.cuda.is_available() and target.device.type == "cuda"
     if world > 1 and not dist.is_initialized():
@@ -230,9 +231,11 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
             tb = SummaryWriter(str(out / "tensorboard"))
         except Exception:  # tensorboard is optional at run time
             tb = None
+    info["setup_s"] = round(time.perf_counter() - started, 1)  # the vocab, the drafter's start, the optimizer
     log(f"specdec train: {len(train_idx)} train / {len(heldout)} held-out samples, {per_epoch} batches/epoch, "
         f"{total} steps, world size {world}, draft vocab {drafter.cfg.draft_vocab_size} "
-        f"(covers {info['vocab_coverage']:.1%} of assistant tokens; {info['vocab']})")
+        f"(covers {info['vocab_coverage']:.1%} of assistant tokens; {info['vocab']}); "
+        f"set up in {info['setup_s']:.0f} s")
 
     from ..progress import progress_bar
 

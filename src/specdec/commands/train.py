@@ -124,7 +124,7 @@ def run(args) -> int:
     import time
 
     from ..models.target import load_target
-    from ..train.loop import TrainConfig, log, train
+    from ..train.loop import TrainConfig, train
 
     device = args.device
     if device is None and "LOCAL_RANK" in os.environ:
@@ -135,8 +135,7 @@ def run(args) -> int:
     target = load_target(args.target, device=device)
     loaded = time.perf_counter()
     source = load_source(args, target)
-    log(f"specdec train: the target loaded in {loaded - started:.0f} s, {len(source.ids):,} samples read "
-        f"in {time.perf_counter() - loaded:.0f} s")
+    timings = {"load_target_s": round(loaded - started, 1), "read_data_s": round(time.perf_counter() - loaded, 1)}
     cfg = TrainConfig(out=args.output, epochs=args.epochs, lr=args.lr, warmup=args.warmup, grad_clip=args.grad_clip,
                       weight_decay=args.weight_decay,
                       batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps, ttt_decay=args.ttt_decay,
@@ -149,7 +148,8 @@ def run(args) -> int:
                       bf16=None if args.dtype == "auto" else args.dtype == "bf16", compile=args.compile,
                       cuda_graphs=args.cuda_graphs, fused_loss=args.fused_loss,
                       length_multiple=args.length_multiple)
-    summary = train(target, source, cfg, init=args.init, resume=args.resume, target_name=str(args.target))
+    summary = train(target, source, cfg, init=args.init, resume=args.resume, target_name=str(args.target),
+                    timings=timings)
     if int(os.environ.get("RANK", 0)) == 0:
         if args.json:
             print(json.dumps(summary))

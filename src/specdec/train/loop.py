@@ -151,7 +151,9 @@ def provenance(target, source, drafter, last_eval: dict) -> dict:
 
 
 def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: bool = False,
-          target_name: str = "target", progress: bool = True) -> dict:
+          target_name: str = "target", progress: bool = True, timings: dict | None = None) -> dict:
+    """Train a drafter for `target` on `source`; returns the summary (also OUT/train_summary.json).
+    `timings`: the caller's own set-up figures (load_target_s, read_data_s), reported beside train's."""
     if cfg.length_multiple < 1:
         raise SpecdecError(f"length multiple {cfg.length_multiple}: expected 1 (each batch its own shape) or more "
                            "(padded to a multiple of it); nothing was written")
@@ -232,10 +234,12 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         except Exception:  # tensorboard is optional at run time
             tb = None
     info["setup_s"] = round(time.perf_counter() - started, 1)  # the vocab, the drafter's start, the optimizer
+    info.update(timings or {})
+    before = "".join(f", {k[:-2].replace('_', ' ')} {v:.0f} s" for k, v in (timings or {}).items())
     log(f"specdec train: {len(train_idx)} train / {len(heldout)} held-out samples, {per_epoch} batches/epoch, "
         f"{total} steps, world size {world}, draft vocab {drafter.cfg.draft_vocab_size} "
         f"(covers {info['vocab_coverage']:.1%} of assistant tokens; {info['vocab']}); "
-        f"set up in {info['setup_s']:.0f} s")
+        f"set up in {info['setup_s']:.0f} s{before}")
 
     from ..progress import progress_bar
 

@@ -18,25 +18,24 @@ def count_tokens(samples, vocab_size: int, chunk: int = 1 << 22) -> tuple[torch.
     processes turns from seconds into minutes."""
     masked = torch.zeros(vocab_size, dtype=torch.long)
     every = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, mask in _chunks(samples, chunk):
+        every += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+        masked += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return masked, every
+
+
+def _chunks(samples, tokens: int):
+    """(input_ids, loss_mask) of consecutive samples, concatenated until they hold >= `tokens`."""
     ids, mask, held = [], [], 0
-
-    def flush():
-        if ids:
-            i, m = torch.cat(ids), torch.cat(mask)
-            every.add_(torch.bincount(i, minlength=vocab_size)[:vocab_size])
-            masked.add_(torch.bincount(i[m], minlength=vocab_size)[:vocab_size])
-            ids.clear()
-            mask.clear()
-
     for s in samples:
         ids.append(torch.as_tensor(s["input_ids"]).long().reshape(-1))
         mask.append(torch.as_tensor(s["loss_mask"]).bool().reshape(-1))
-        held += ids[-1].numel()
-        if held >= chunk:
-            flush()
-            held = 0
-    flush()
-    return masked, every
+        held += len(ids[-1])
+        if held >= tokens:
+            yield torch.cat(ids), torch.cat(mask)
+            ids, mask, held = [], [], 0
+    if ids:
+        yield torch.cat(ids), torch.cat(mask)
 
 
 def build_draft_vocab(masked_counts: torch.Tensor, draft_vocab_size: int,

@@ -97,6 +97,9 @@ def test_cpu_without_native_bf16_gets_smaller_defaults_unless_told():
     assert GPU["online"] and not CPU["online"]
     assert not settings(p.parse_args(["quickstart", "--no-online"]), cuda=True, fp32=False)["online"]
     assert settings(p.parse_args(["quickstart", "--online"]), cuda=False, fp32=False)["online"]
+    # The fused loss likewise: its kernels need CUDA.
+    assert GPU["fused_loss"] and not CPU["fused_loss"]
+    assert not settings(p.parse_args(["quickstart", "--no-fused-loss"]), cuda=True, fp32=False)["fused_loss"]
     told = settings(p.parse_args(["quickstart", "--prompts", "500", "--epochs", "2"]), cuda=False, fp32=True)
     assert told["prompts"] == 500 and told["epochs"] == 2 and told["eval_prompts"] == CPU_FP32["eval_prompts"]
     # --large: more prompts for fewer epochs, more training in all; options still override it.

@@ -35,7 +35,7 @@ examples:
 # More prompts changed nothing measurable, so the time bf16 saves goes to more evaluation prompts.
 CPU = dict(prompts=320, self_prompts=0, max_new_tokens=128, epochs=6.0, draft_vocab_size=2048, ttt_steps=4, lr=3e-3,
            eval_prompts=10, eval_max_new_tokens=96, max_length=384, batch_tokens=256, batch_size=64,
-           eval_every=200, save_every=200, cuda_graphs=False, online=False)
+           eval_every=200, save_every=200, cuda_graphs=False, fused_loss=False, online=False)
 # On the GPU, every ShareGPT first turn of <= 600 characters (the batch decoder regenerates them
 # quickly) and prompts the target writes itself, for 4 epochs at 4,096 tokens per batch:
 # many prompts for few epochs gave a longer mean acceptance length on MT-Bench than fewer prompts
@@ -50,12 +50,15 @@ CPU_FP32 = dict(prompts=200, epochs=4.5, eval_prompts=6)
 # share of the training time on either device.
 # Each training step replayed as a CUDA graph on the GPU: more tokens/s than eager steps at equal
 # loss, with no compile to wait for (benchmarks/train_throughput.py, BENCHMARKS.md).
+# The fused soft cross-entropy on the GPU: more tokens/s than the PyTorch loss inside the recorded
+# step, at equal loss, with nothing to compile; the compiled loss is faster once compiled, but its
+# compile costs more than it saves at this amount of training (benchmarks/train_throughput.py).
 # Online on the GPU: the target's forward, recorded per batch shape, costs the step little, and a
 # capture of these prompts would take tens of GB of disk; on a CPU each epoch's forward would cost
 # as much as the capture, so it captures once.
 GPU = dict(prompts=14000, self_prompts=10000, max_new_tokens=256, epochs=4.0, draft_vocab_size=16384, ttt_steps=7,
            lr=1e-3, eval_prompts=20, eval_max_new_tokens=256, max_length=2048, batch_tokens=4096, batch_size=256,
-           eval_every=500, save_every=500, cuda_graphs=True, online=True)
+           eval_every=500, save_every=500, cuda_graphs=True, fused_loss=True, online=True)
 # --large, for a user with one GPU and about an hour: every ShareGPT first turn that qualifies
 # (~14,100) and six times the target's own prompts, for fewer epochs: about three times the
 # default's training tokens, spent on more prompts rather than more passes, as above.
@@ -111,6 +114,9 @@ def register(subparsers) -> None:
     p.add_argument("--online", action=argparse.BooleanOptionalAction, default=None,
                    help="compute the hidden states inside training, each epoch, instead of capturing them to disk "
                         "once (CPU off, GPU on)")
+    p.add_argument("--fused-loss", action=argparse.BooleanOptionalAction, default=None,
+                   help="train with the soft cross-entropy as one Triton kernel each way (`specdec train "
+                        "--fused-loss`; CPU off, GPU on)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="target precision; auto: bf16 on a GPU and on CPUs with native bf16 "
                         "(AVX512-BF16/AMX, much faster there), else fp32 (default: auto)")
@@ -187,7 +193,8 @@ def run(args) -> int:
     t = stage("4/5 train the EAGLE-3 drafter")
     cfg = TrainConfig(out=str(out / "train"), epochs=d["epochs"], draft_vocab_size=d["draft_vocab_size"],
                       ttt_steps=d["ttt_steps"], lr=d["lr"], batch_tokens=d["batch_tokens"],
-                      eval_every=d["eval_every"], save_every=d["save_every"], cuda_graphs=d["cuda_graphs"])
+                      eval_every=d["eval_every"], save_every=d["save_every"], cuda_graphs=d["cuda_graphs"],
+                      fused_loss=d["fused_loss"])
     drafter_dir = out / "train" / "drafter"
     summary_file = out / "train" / "train_summary.json"
     if summary_file.exists() and drafter_dir.exists():

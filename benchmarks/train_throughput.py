@@ -36,9 +36,11 @@ Rows:
 
 Each row reports tokens/s as `train` measures it (the summary's rate), the last step's loss (equal
 seeds and data: the rows must agree), and MFU against Hopper's dense bf16 peak (989 TFLOP/s, the
-H100 SXM's and the H200's), FLOPs counted as in throughput_8b.py. Then a torch.profiler table of
-a few steps of the last row measured but quickstart (recorded graphs included, so the figures are
-the recordings' as much as the replays'): device busy time against wall time, the top ops.
+H100 SXM's and the H200's), FLOPs counted as in throughput_8b.py. Then the last row measured but quickstart under
+torch.profiler, per step in the steady state (a run of 2N steps less one of N, so that the set-up,
+the graphs' recordings and the save cancel out; --profile-steps N): wall and device busy time, the
+loop's phases (`train: load batch`, `wait for batch`, `optimizer step`, `read figures`), the top
+kernels and host ops.
 
   python benchmarks/train_throughput.py --out $OUT
   python benchmarks/train_throughput.py --out $OUT --shapes 8b --samples 300 --steps 40 --profile-steps 0
@@ -174,7 +176,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--shapes", choices=["smollm2", "8b"], default="smollm2")
-    ap.add_argument("--profile-steps", type=int, default=12)
+    ap.add_argument("--profile-steps", type=int, default=None,
+                    help="N: the steady-state profile from runs of N and 2N steps (default: 30 on a GPU, none on a "
+                         "CPU; 0: none)")
     ap.add_argument("--tag", default="this tree")
     ap.add_argument("--profile-forward", action="store_true", help="the online row: profile the source alone")
     ap.add_argument("--cpu-size", action="store_true",
@@ -249,33 +253,67 @@ def main() -> None:
         print(f"[{args.tag}] {args.shapes} {row}: {tok_s:,.0f} tok/s over {s['steps']} steps, last loss "
               f"{r['last_loss']:.4f}" + (f", MFU {mfu:.1%}" if mfu is not None else "")
               + f" ({fpt / 1e9:.2f} GFLOP per token, {r['wall_s']:.0f} s in all)", flush=True)
-    if args.profile_steps and dev == "cuda":
-        from torch.profiler import ProfilerActivity, profile
+    if args.profile_steps if args.profile_steps is not None else dev == "cuda":
+        args.profile_steps = args.profile_steps or 30
+        profile_steady_state(args, target, store, rows, record,
+                             dict(batch_tokens=batch_tokens, ttt_steps=ttt, draft_vocab_size=vocab), work)
 
-        measured = [r for r in rows if r != "quickstart"] or ["compiled"]
 
-        def profiled(out):
-            return TrainConfig(out=str(work / out), epochs=100.0, max_steps=args.profile_steps, lr=1e-3,
-                               batch_tokens=batch_tokens, ttt_steps=ttt, draft_vocab_size=vocab, eval_every=10**9,
-                               save_every=10**9, eval_percent=0.0, **row_settings(measured[-1]))
+def profile_steady_state(args, target, store, rows, record, sizes: dict, work: Path) -> None:
+    """The last row measured (but quickstart) under torch.profiler, per step in the steady state:
+    a run of 2N steps less a run of N, divided by N, so that what every run does once (the
+    drafter's build, the vocab count, the graphs' recordings, the save) cancels out. Both runs
+    stay in the first epoch (the target argmax computed per sample) when N is below half an epoch."""
+    from torch.profiler import ProfilerActivity, profile
 
-        # A first run compiles (where the row compiles) and warms up, outside the profile.
-        source = source_for(measured[-1], store, target)
-        train(target, source, profiled("warm"), target_name=target.name, progress=False)
-        tc = profiled("profile")
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available() and target.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    row = ([r for r in rows if r != "quickstart"] or ["compiled"])[-1]
+    n = args.profile_steps
+
+    def run(steps: int, out: str):
+        tc = TrainConfig(out=str(work / out), epochs=100.0, max_steps=steps, lr=1e-3, eval_every=10**9,
+                         save_every=10**9, eval_percent=0.0, **sizes, **row_settings(row))
+        source = source_for(row, store, target)
+        sync()
+        with profile(activities=activities) as prof:
             t = time.perf_counter()
-            train(target, source, tc, target_name=target.name, progress=False)
-            torch.cuda.synchronize()
+            s = train(target, source, tc, target_name=target.name, progress=False)
+            sync()
             wall = time.perf_counter() - t
-        ka = prof.key_averages()
-        busy = sum(e.self_device_time_total for e in ka) / 1e6
-        print(f"[{args.tag}] profile of {args.profile_steps} steps (drafter built, vocab counted, drafter saved "
-              f"included): wall {wall:.2f} s, device busy {busy:.2f} s", flush=True)
-        print(ka.table(sort_by="self_device_time_total", row_limit=25), flush=True)
-        print(ka.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+        ops = {e.key: (e.self_device_time_total, e.self_cpu_time_total, e.cpu_time_total, e.count)
+               for e in prof.key_averages()}
+        return wall, ops, s.get("cuda_graph_shapes")
 
+    run(n, "warm")  # compiles where the row compiles, and warms the allocators, outside the figures
+    wall1, ops1, shapes1 = run(n, "short")
+    wall2, ops2, shapes2 = run(2 * n, "long")
+    zero = (0.0, 0.0, 0.0, 0)
+    per_step = {k: tuple((b - a) / n for a, b in zip(ops1.get(k, zero), v)) for k, v in ops2.items()}
+    wall = (wall2 - wall1) / n * 1e3
+    busy = sum(v[0] for v in per_step.values()) / 1e3
+    phases = {k: round(v[2] / 1e3, 3) for k, v in per_step.items() if k.startswith("train: ")}
+    top_device = sorted(per_step.items(), key=lambda kv: -kv[1][0])[:20]
+    top_cpu = sorted(per_step.items(), key=lambda kv: -kv[1][1])[:15]
+    record({"tag": args.tag, "row": f"{row} profile", "shapes": args.shapes, "card": card_name(),
+            "steps": [n, 2 * n], "graph_shapes": [shapes1, shapes2], "wall_ms_per_step": wall,
+            "device_busy_ms_per_step": busy, "phases_ms_per_step": phases,
+            "top_device_ms_per_step": {k: round(v[0] / 1e3, 3) for k, v in top_device} if cuda else None,
+            "top_host_ms_per_step": {k: round(v[1] / 1e3, 3) for k, v in top_cpu}})
+    device = f", device busy {busy:.2f} ms ({busy / wall:.0%})" if cuda else ""
+    print(f"[{args.tag}] {args.shapes} {row}, steady state ({2 * n} steps less {n}, per step): wall {wall:.2f} ms"
+          f"{device}; graphs recorded {shapes1} and {shapes2}", flush=True)
+    print("  phases (host time, the worker's loads included):", flush=True)
+    for k, v in sorted(phases.items(), key=lambda kv: -kv[1]):
+        print(f"    {k:<28} {v:8.2f} ms", flush=True)
+    if cuda:
+        print("  device time by kernel:", flush=True)
+        for k, v in top_device:
+            print(f"    {k[:90]:<90} {v[0] / 1e3:8.3f} ms  x{v[3]:.1f}", flush=True)
+    print("  host time by op:", flush=True)
+    for k, v in top_cpu:
+        print(f"    {k[:90]:<90} {v[1] / 1e3:8.3f} ms  x{v[3]:.1f}", flush=True)
 
 if __name__ == "__main__":
     main()

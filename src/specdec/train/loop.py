@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from ..atomic import write_json
 from ..dist import dist_env
@@ -255,8 +256,9 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
             rows, length = padded_shape(len(gb), max(source.lengths[i] for i in gb), cfg.batch_tokens, multiple)
             shape = (-(-rows // world), length)  # this process's share of the rows
         # With graphs an online source records the target's forward for the batch's padded shape too.
-        samples = argmax_cache.get(gb[rank::world] or gb[:1], shape if graphs else None)
-        return sum(len(s["input_ids"]) for s in samples), _to(samples, device, dtype, shape)
+        with record_function("train: load batch"):  # named phases for a profiler; nothing without one
+            samples = argmax_cache.get(gb[rank::world] or gb[:1], shape if graphs else None)
+            return sum(len(s["input_ids"]) for s in samples), _to(samples, device, dtype, shape)
 
     def forward_backward(inputs):
         with autocast():
@@ -283,7 +285,8 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         """A finished step's figures, read while the next step is already queued on a GPU."""
         nonlocal last_loss
         at, stats, lr = done
-        loss, correct0, counted, gnorm = stats.tolist()
+        with record_function("train: read figures"):  # waits for that step on a GPU
+            loss, correct0, counted, gnorm = stats.tolist()
         last_loss = loss
         acc0 = correct0 / counted if counted else 0.0
         rate = tokens_seen / max(1e-9, time.perf_counter() - t0)
@@ -302,7 +305,8 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
         for n_tokens, inputs in Prefetch(load, schedule, device):
             opt.zero_grad(set_to_none=True)
             # The first step creates the optimizer's state, which a recorded step must find in place.
-            stats = recorded(inputs) if recorded is not None and opt.state else update(inputs)
+            with record_function("train: optimizer step"):
+                stats = recorded(inputs) if recorded is not None and opt.state else update(inputs)
             sched.step()
             step += 1
             tokens_seen += n_tokens * world
@@ -334,9 +338,10 @@ def train(target, source, cfg: TrainConfig, *, init: str | None = None, resume: 
                         for i, a in enumerate(last_eval.get("per_position_accuracy", [])):
                             tb.add_scalar(f"eval/accuracy_pos{i}", a, step)
             if save:
-                save_checkpoint(out, step, drafter, opt, sched,
-                                {"step": step, "total": total, "history": history, "config": asdict(cfg)},
-                                cfg.keep_checkpoints)
+                with record_function("train: checkpoint"):
+                    save_checkpoint(out, step, drafter, opt, sched,
+                                    {"step": step, "total": total, "history": history, "config": asdict(cfg)},
+                                    cfg.keep_checkpoints)
         if pending is not None:
             show(pending)
     if world > 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 import torch
-
+from torch.profiler import record_function
 
 
 class Prefetch:
@@ -47,7 +47,8 @@ class Prefetch:
                     queue.append(self.pool.submit(self._load_on_stream, item))
                 if not queue:
                     return
-                out, done = queue.pop(0).result()
+                with record_function("train: wait for batch"):  # the step outran the loads
+                    out, done = queue.pop(0).result()
                 current = torch.cuda.current_stream()
                 current.wait_event(done)
                 for t in _tensors(out):

@@ -183,8 +183,9 @@ recipe() {  # benchmarks/recipe_trial.sh in the background; a copy runs (the nex
 bench() {  # DRAFTER: a drafter folder (carried, relative to the repository), else the quickstart's
   local d=${DRAFTER:-$QS/train/drafter}
   need "$GGUF" "$DATA/mt-bench.jsonl" "$d/config.json"
+  DEADLINE=$((START + 570))  # the rest of the call (its limit is 600 s): k = 1..5 and more need most of it
   # shellcheck disable=SC2086  # BENCH_ARGS: options, split on spaces
-  run "${BENCH_S:-240}" python3 -m specdec bench --target smollm2-135m-instruct --drafter "$d" --limit 5 \
+  run "${BENCH_S:-570}" python3 -m specdec bench --target smollm2-135m-instruct --drafter "$d" --limit 5 \
     --max-new-tokens 256 ${BENCH_ARGS:---k 1,2,3,4,5 --tree 4,4,16 --no-hf} --out "$OUT/${DEV}_bench.json"
 }
 trees() {

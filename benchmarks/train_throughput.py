@@ -36,11 +36,11 @@ Rows:
 
 Each row reports tokens/s as `train` measures it (the summary's rate), the last step's loss (equal
 seeds and data: the rows must agree), and MFU against Hopper's dense bf16 peak (989 TFLOP/s, the
-H100 SXM's and the H200's), FLOPs counted as in throughput_8b.py. Then the last row measured but quickstart under
-torch.profiler, per step in the steady state (a run of 2N steps less one of N, so that the set-up,
-the graphs' recordings and the save cancel out; --profile-steps N): wall and device busy time, the
-loop's phases (`train: load batch`, `wait for batch`, `optimizer step`, `read figures`), the top
-kernels and host ops.
+H100 SXM's and the H200's), FLOPs counted as in throughput_8b.py. Then the last row measured but
+quickstart under torch.profiler, per step in the steady state (a run of 2N steps less one of N, so
+that the set-up, the graphs' recordings and the save cancel out; --profile-steps N): wall and
+device busy time, the loop's phases (`train: load batch`, `wait for batch`, `optimizer step`,
+`read figures`), the top kernels and host ops.
 
   python benchmarks/train_throughput.py --out $OUT
   python benchmarks/train_throughput.py --out $OUT --shapes 8b --samples 300 --steps 40 --profile-steps 0
@@ -253,13 +253,14 @@ def main() -> None:
         print(f"[{args.tag}] {args.shapes} {row}: {tok_s:,.0f} tok/s over {s['steps']} steps, last loss "
               f"{r['last_loss']:.4f}" + (f", MFU {mfu:.1%}" if mfu is not None else "")
               + f" ({fpt / 1e9:.2f} GFLOP per token, {r['wall_s']:.0f} s in all)", flush=True)
-    if args.profile_steps if args.profile_steps is not None else dev == "cuda":
-        args.profile_steps = args.profile_steps or 30
-        profile_steady_state(args, target, store, rows, record,
+    profile_steps = args.profile_steps if args.profile_steps is not None else 30 if dev == "cuda" else 0
+    if profile_steps:
+        profile_steady_state(args.tag, args.shapes, target, store, rows, record, profile_steps,
                              dict(batch_tokens=batch_tokens, ttt_steps=ttt, draft_vocab_size=vocab), work)
 
 
-def profile_steady_state(args, target, store, rows, record, sizes: dict, work: Path) -> None:
+def profile_steady_state(tag: str, shapes: str, target, store, rows, record, n: int, sizes: dict,
+                         work: Path) -> None:
     """The last row measured (but quickstart) under torch.profiler, per step in the steady state:
     a run of 2N steps less a run of N, divided by N, so that what every run does once (the
     drafter's build, the vocab count, the graphs' recordings, the save) cancels out. Both runs
@@ -270,7 +271,6 @@ def profile_steady_state(args, target, store, rows, record, sizes: dict, work: P
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     row = ([r for r in rows if r != "quickstart"] or ["compiled"])[-1]
-    n = args.profile_steps
 
     def run(steps: int, out: str):
         tc = TrainConfig(out=str(work / out), epochs=100.0, max_steps=steps, lr=1e-3, eval_every=10**9,
@@ -296,13 +296,13 @@ def profile_steady_state(args, target, store, rows, record, sizes: dict, work: P
     phases = {k: round(v[2] / 1e3, 3) for k, v in per_step.items() if k.startswith("train: ")}
     top_device = sorted(per_step.items(), key=lambda kv: -kv[1][0])[:20]
     top_cpu = sorted(per_step.items(), key=lambda kv: -kv[1][1])[:15]
-    record({"tag": args.tag, "row": f"{row} profile", "shapes": args.shapes, "card": card_name(),
+    record({"tag": tag, "row": f"{row} profile", "shapes": shapes, "card": card_name(),
             "steps": [n, 2 * n], "graph_shapes": [shapes1, shapes2], "wall_ms_per_step": wall,
             "device_busy_ms_per_step": busy, "phases_ms_per_step": phases,
             "top_device_ms_per_step": {k: round(v[0] / 1e3, 3) for k, v in top_device} if cuda else None,
             "top_host_ms_per_step": {k: round(v[1] / 1e3, 3) for k, v in top_cpu}})
     device = f", device busy {busy:.2f} ms ({busy / wall:.0%})" if cuda else ""
-    print(f"[{args.tag}] {args.shapes} {row}, steady state ({2 * n} steps less {n}, per step): wall {wall:.2f} ms"
+    print(f"[{tag}] {shapes} {row}, steady state ({2 * n} steps less {n}, per step): wall {wall:.2f} ms"
           f"{device}; graphs recorded {shapes1} and {shapes2}", flush=True)
     print("  phases (host time, the worker's loads included):", flush=True)
     for k, v in sorted(phases.items(), key=lambda kv: -kv[1]):
@@ -314,6 +314,7 @@ def profile_steady_state(args, target, store, rows, record, sizes: dict, work: P
     print("  host time by op:", flush=True)
     for k, v in top_cpu:
         print(f"    {k[:90]:<90} {v[1] / 1e3:8.3f} ms  x{v[3]:.1f}", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -64,15 +64,22 @@ def test_quickstart_runs_and_resumes(tmp_path):
 
 
 def test_quickstart_online_trains_without_a_capture_on_disk(tmp_path):
-    """--online (the GPU's default): the states are computed inside training, so no capture
-    directory is written, and the drafter still trains, is evaluated and resumes."""
+    """--online and --fused-loss (the GPU's defaults): the states are computed inside training, so
+    no capture directory is written, the loss runs as the Triton kernels (here under Triton's
+    interpreter, which conftest turns on without a GPU), and the drafter still trains, is
+    evaluated and resumes."""
+    from specdec.train import fused_loss
+
     out = tmp_path / "qs"
-    args = [sys.executable, "-m", "specdec", "quickstart", "--out", str(out), *ARGS, "--online", "--tree-depth", "0"]
+    args = [sys.executable, "-m", "specdec", "quickstart", "--out", str(out), *ARGS, "--online", "--fused-loss",
+            "--tree-depth", "0"]
     r = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     line = json.loads(r.stdout.strip().splitlines()[-1])
     assert line["online"] is True and "online, inside training" in r.stderr
     assert not (out / "capture").exists() and (out / "train" / "drafter" / "config.json").exists()
+    assert fused_loss.available("cpu")  # Triton is a dependency where the suite runs (pyproject.toml)
+    assert json.loads((out / "train" / "train_summary.json").read_text())["fused_loss"] is True
     assert line["mean_acceptance_length"] >= 1.0 and 1.0 <= line["heldout"]["walked_acceptance_length_k5"] <= 6.0
     again = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=900)
     assert again.returncode == 0 and "already trained" in again.stderr, again.stderr[-3000:]

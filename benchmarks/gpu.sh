@@ -10,7 +10,7 @@
 #   drafter-step      one drafting round on the Triton kernels against inductor's; engine steps
 #   train-throughput  `specdec train` tokens/s, eager, compiled and as CUDA graphs, on SmolLM2's drafter (SHAPES=8b: a
 #                     Llama-3.1-8B drafter's shapes; ROWS, STEPS, PROFILE_STEPS: a part, e.g. ROWS=graphs,online;
-#                     PROFILE_FORWARD=1: the online source's profile)
+#                     PROFILE_FORWARD=1: the online source's profile; TAG: the rows' tag in the results)
 #   train-graphs      the CUDA training tests, then eager against the step recorded as CUDA graphs (eager and
 #                     compiled kernels inside) on both drafters' shapes, in one call
 #   regen-throughput  BatchDecoder against HF generate, real SmolLM2 on ShareGPT          (staged)
@@ -111,7 +111,8 @@ train_throughput() {  # SHAPES=8b: a Llama-3.1-8B drafter's shapes; ROWS, STEPS,
       --profile-steps 0)
   fi
   run "${TP_S:-540}" python3 benchmarks/train_throughput.py --out "$OUT" "${shapes[@]}" ${ROWS:+--rows "$ROWS"} \
-    ${STEPS:+--steps "$STEPS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} ${PROFILE_FORWARD:+--profile-forward}
+    ${STEPS:+--steps "$STEPS"} ${PROFILE_STEPS:+--profile-steps "$PROFILE_STEPS"} ${PROFILE_FORWARD:+--profile-forward} \
+    ${TAG:+--tag "$TAG"}
 }
 train_graphs() {
   local rows=eager,graphs,graphs-compiled,graphs-compiled-warm

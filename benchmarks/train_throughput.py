@@ -107,6 +107,16 @@ def row_settings(row: str) -> dict:
     return {"compile": compiled, "cuda_graphs": row.startswith("graphs") or online, "fused_loss": "fused" in row}
 
 
+def row_config(row: str, out: Path, steps: int, sizes: dict) -> TrainConfig:
+    """The TrainConfig a row trains with for `steps` steps: `sizes` (batch tokens, TTT steps, draft
+    vocab) and the row's settings; held-out evaluation and checkpoints only in the quickstart row."""
+    if row == "quickstart":
+        evals = dict(eval_every=100, save_every=200)
+    else:
+        evals = dict(eval_every=10**9, save_every=10**9, eval_percent=0.0)
+    return TrainConfig(out=str(out), epochs=100.0, max_steps=steps, lr=1e-3, **sizes, **row_settings(row), **evals)
+
+
 class EagerForwardSource(OnlineSource):
     """The online source with the target's forward never recorded (the shape it is given ignored)."""
 
@@ -191,7 +201,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     rows = args.rows.split(",")
-    settings = {row: row_settings(row) for row in rows}  # an unknown row stops the run before it starts
+    for row in rows:
+        row_settings(row)  # an unknown row stops the run before it starts
     dev = "cuda" if torch.cuda.is_available() and not (args.tiny or args.cpu_size) else "cpu"
     if args.tiny:
         cfg, aux, vocab = tiny_config("llama", vocab_size=512), [1, 2, 3], 128
@@ -203,6 +214,7 @@ def main() -> None:
     batch_tokens, ttt = 4096, 7
     if args.cpu_size:
         vocab, batch_tokens, ttt = 2048, 256, 4
+    sizes = dict(batch_tokens=batch_tokens, ttt_steps=ttt, draft_vocab_size=vocab)
     work = Path(tempfile.mkdtemp(prefix="train_tp_"))
     t = time.perf_counter()
     n = 120 if args.tiny else args.samples
@@ -219,12 +231,7 @@ def main() -> None:
                 f.write(json.dumps(result) + "\n")
 
     for row in rows:
-        evals = dict(eval_every=100, save_every=200) if row == "quickstart" else dict(eval_every=10**9,
-                                                                                     save_every=10**9)
-        tc = TrainConfig(out=str(work / row), epochs=100.0, max_steps=steps, lr=1e-3, batch_tokens=batch_tokens,
-                         ttt_steps=ttt, draft_vocab_size=vocab, **settings[row], **evals)
-        if row != "quickstart":
-            tc.eval_percent = 0.0
+        tc = row_config(row, work / row, steps, sizes)
         source = source_for(row, store, target)
         if row == "online" and dev == "cuda":
             for recorded in (False, True):
@@ -255,8 +262,7 @@ def main() -> None:
               + f" ({fpt / 1e9:.2f} GFLOP per token, {r['wall_s']:.0f} s in all)", flush=True)
     profile_steps = args.profile_steps if args.profile_steps is not None else 30 if dev == "cuda" else 0
     if profile_steps:
-        profile_steady_state(args.tag, args.shapes, target, store, rows, record, profile_steps,
-                             dict(batch_tokens=batch_tokens, ttt_steps=ttt, draft_vocab_size=vocab), work)
+        profile_steady_state(args.tag, args.shapes, target, store, rows, record, profile_steps, sizes, work)
 
 
 def profile_steady_state(tag: str, shapes: str, target, store, rows, record, n: int, sizes: dict,
@@ -273,8 +279,7 @@ def profile_steady_state(tag: str, shapes: str, target, store, rows, record, n: 
     row = ([r for r in rows if r != "quickstart"] or ["compiled"])[-1]
 
     def run(steps: int, out: str):
-        tc = TrainConfig(out=str(work / out), epochs=100.0, max_steps=steps, lr=1e-3, eval_every=10**9,
-                         save_every=10**9, eval_percent=0.0, **sizes, **row_settings(row))
+        tc = row_config(row, work / out, steps, sizes)
         source = source_for(row, store, target)
         sync()
         with profile(activities=activities) as prof:
